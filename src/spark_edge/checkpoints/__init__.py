@@ -1,0 +1,1 @@
+"""Checkpoint sources (GGUF, Hugging Face), per-weight-path builders, manifests."""

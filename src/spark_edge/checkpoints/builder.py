@@ -1,0 +1,145 @@
+"""Build a servable checkpoint for one weight path, atomically and at most once.
+
+The output is written into a hidden temporary folder beside the target and renamed
+into place only when it is complete and its manifest is written, so a crash never
+leaves a half-built checkpoint where vLLM would find it.  A target that already holds
+a verified build of the same inputs is left alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from spark_edge import __version__
+from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
+from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
+from spark_edge.checkpoints.sources import CheckpointSource, open_source
+
+# A weight-path writer fills `out` with weights and returns what config.json must add.
+WeightWriter = Callable[[CheckpointSource, Path, dict[str, Any]], dict[str, Any]]
+
+
+def write_bf16(source: CheckpointSource, out: Path, params: dict[str, Any]) -> dict[str, Any]:
+    specs = [TensorSpec(s.name, torch.bfloat16, s.shape) for s in source.tensor_specs()]
+    write_safetensors(out, specs, ((name, t.to(torch.bfloat16)) for name, t in source.tensors()))
+    return {}
+
+
+WEIGHT_PATHS: dict[str, WeightWriter] = {"bf16": write_bf16}
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    built: bool  # False: an up-to-date build was already there
+    manifest: dict[str, Any]
+
+
+@contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """One builder per target at a time (replicas may share a volume)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Temporary folders of builds that died; safe under the lock."""
+    for stale in out.parent.glob(f".{out.name}.*-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _existing_state(out: Path, inputs: dict[str, Any]) -> str | None:
+    """None if `out` is an up-to-date build; else why it must be rebuilt.
+
+    Raises if `out` holds something that is not ours: we never delete a user's files.
+    """
+    if not out.exists():
+        return "absent"
+    if not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a folder; refusing to replace it")
+    if not (out / MANIFEST_NAME).exists():
+        if any(out.iterdir()):
+            raise CheckpointError(
+                f"{out}: exists, is not empty and has no {MANIFEST_NAME}; refusing to overwrite "
+                "(remove it or choose another --out)"
+            )
+        return "empty"
+    try:
+        manifest = read_manifest(out)
+        if manifest.get("inputs") != inputs:
+            return "built from other inputs"
+        verify_checkpoint(out)
+    except CheckpointError as exc:
+        return f"corrupt: {exc}"
+    return None
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def build_checkpoint(
+    model: str | Path | None,
+    weight_path: str,
+    out: Path,
+    params: dict[str, Any] | None = None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> BuildResult:
+    """Build `model` (None: the default model) for `weight_path` into `out`."""
+    if weight_path not in WEIGHT_PATHS:
+        raise CheckpointError(f"unknown weight path {weight_path!r} (known: {', '.join(WEIGHT_PATHS)})")
+    params = dict(params or {})
+    out = Path(out).expanduser().absolute()
+    source = open_source(model)
+    inputs = {
+        "source": source.fingerprint(),
+        "weight_path": weight_path,
+        "params": params,
+        "tool": {"name": "spark-edge", "version": __version__},
+    }
+    with _exclusive(out):
+        _remove_leftovers(out)
+        reason = _existing_state(out, inputs)
+        if reason is None:
+            log(f"{out}: up to date ({weight_path}), nothing to do")
+            return BuildResult(out, False, read_manifest(out))
+        if reason not in ("absent", "empty"):
+            log(f"{out}: rebuilding ({reason})")
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            extra_config = WEIGHT_PATHS[weight_path](source, tmp, params)
+            config = {**source.hf_config(), **extra_config}
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            source.save_tokenizer(tmp)
+            manifest = write_manifest(tmp, inputs)
+            if out.exists() and not any(out.iterdir()):
+                out.rmdir()
+            _swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log(f"{out}: built {weight_path} from {source.path}")
+    return BuildResult(out, True, manifest)

@@ -1,0 +1,51 @@
+"""Open a checkpoint source by what it is: a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID, default_gguf
+from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.checkpoints.safetensors_stream import TensorSpec
+
+
+class CheckpointSource(Protocol):
+    kind: str
+    path: Path
+
+    def hf_config(self) -> dict[str, Any]: ...
+    def tensor_specs(self) -> list[TensorSpec]: ...
+    def load(self, name: str) -> torch.Tensor: ...
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def save_tokenizer(self, out: Path) -> None: ...
+    def fingerprint(self) -> dict[str, Any]: ...
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    return default_gguf() if model is None else Path(model).expanduser()
+
+
+def open_source(model: str | Path | None) -> CheckpointSource:
+    from spark_edge.checkpoints.gguf_source import GGUFSource
+    from spark_edge.checkpoints.hf_source import HFSource
+
+    path = resolve_model(model)
+    if path.is_dir():
+        return HFSource(path)
+    if path.exists() or path.suffix == ".gguf":
+        return GGUFSource(path)
+    raise CheckpointError(f"{path}: no such file or folder")
+
+
+def model_id(model: str | Path | None) -> str:
+    """A short, stable folder name for a model: its name plus a hash of where it lives."""
+    if model is None:
+        return DEFAULT_MODEL_ID
+    path = Path(model).expanduser().resolve()
+    stem = re.sub(r"[^a-z0-9.]+", "-", path.stem.lower()).strip("-") or "model"
+    return f"{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"

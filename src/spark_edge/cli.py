@@ -1,0 +1,78 @@
+"""The `spark-edge` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from spark_edge import __version__, exit_codes
+from spark_edge.checkpoints.errors import CheckpointError
+
+WEIGHT_PATH_CHOICES = ["bf16"]
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"spark-edge: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _log(message: str) -> None:
+    click.echo(f"spark-edge: {message}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="spark-edge")
+def main() -> None:
+    """Serve small LLMs on CPUs with vLLM."""
+
+
+@main.command()
+@click.option("--weight-path", type=click.Choice(WEIGHT_PATH_CHOICES), default="bf16", show_default=True,
+              help="Weight format to build.")
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="Source: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Output folder (default: under $SPARK_EDGE_HOME/checkpoints).")
+def build(weight_path: str, model: Path | None, out: Path | None) -> None:
+    """Build a servable Hugging Face checkpoint for one weight path."""
+    from spark_edge.checkpoints.builder import build_checkpoint
+    from spark_edge.checkpoints.sources import model_id
+    from spark_edge.paths import checkpoint_dir
+
+    target = out or checkpoint_dir(model_id(model), weight_path)
+    try:
+        result = build_checkpoint(model, weight_path, target, log=_log)
+    except CheckpointError as exc:
+        _fail(str(exc), exit_codes.CHECKPOINT)
+    click.echo(str(result.out))
+
+
+@main.command()
+@click.option("--model", type=click.Path(path_type=Path), default=None,
+              help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
+                   "(default: SmolLM2-135M-Instruct).")
+@click.option("--weight-path", type=click.Choice(WEIGHT_PATH_CHOICES), default="bf16", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, envvar="SPARK_EDGE_PORT")
+@click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True,
+              help="Longest prompt plus completion, in tokens.")
+@click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True,
+              help="Requests decoded together.")
+def serve(model: Path | None, weight_path: str, host: str, port: int, max_model_len: int, max_num_seqs: int) -> None:
+    """Serve a model through vLLM's OpenAI-compatible API."""
+    from spark_edge.serving.checkpoint import checkpoint_for_serving
+    from spark_edge.serving.vllm_server import ServeOptions, exec_server
+
+    try:
+        checkpoint, name = checkpoint_for_serving(model, weight_path, log=_log)
+    except CheckpointError as exc:
+        _fail(str(exc), exit_codes.CHECKPOINT)
+    opts = ServeOptions(checkpoint, name, host, port, max_model_len, max_num_seqs)
+    _log(f"serving {name} ({weight_path}) from {checkpoint} on http://{host}:{port}")
+    exec_server(opts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Exit codes of the spark-edge command (documented in the README).
+
+Distinct codes let a supervisor (Docker restart policy, Kubernetes) and a user tell
+a problem that retrying will not fix from a crash.
+"""
+
+OK = 0
+FAILURE = 1  # unexpected error (a bug): the traceback is printed
+USAGE = 2  # bad command-line usage (click's own code)
+CHECKPOINT = 3  # model source or built checkpoint missing, corrupt or unsupported
