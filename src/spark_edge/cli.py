@@ -8,9 +8,10 @@ from pathlib import Path
 import click
 
 from spark_edge import __version__, exit_codes
+from spark_edge import weight_paths
 from spark_edge.checkpoints.errors import CheckpointError
 
-WEIGHT_PATH_CHOICES = ["bf16"]
+WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
 
 
 def _fail(message: str, code: int) -> None:

@@ -17,25 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
 from spark_edge import __version__
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
-from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
-from spark_edge.checkpoints.sources import CheckpointSource, open_source
-
-# A weight-path writer fills `out` with weights and returns what config.json must add.
-WeightWriter = Callable[[CheckpointSource, Path, dict[str, Any]], dict[str, Any]]
-
-
-def write_bf16(source: CheckpointSource, out: Path, params: dict[str, Any]) -> dict[str, Any]:
-    specs = [TensorSpec(s.name, torch.bfloat16, s.shape) for s in source.tensor_specs()]
-    write_safetensors(out, specs, ((name, t.to(torch.bfloat16)) for name, t in source.tensors()))
-    return {}
-
-
-WEIGHT_PATHS: dict[str, WeightWriter] = {"bf16": write_bf16}
+from spark_edge.checkpoints.sources import open_source
+from spark_edge.weight_paths import writers
 
 
 @dataclass
@@ -108,8 +94,9 @@ def build_checkpoint(
     log: Callable[[str], None] = lambda msg: None,
 ) -> BuildResult:
     """Build `model` (None: the default model) for `weight_path` into `out`."""
-    if weight_path not in WEIGHT_PATHS:
-        raise CheckpointError(f"unknown weight path {weight_path!r} (known: {', '.join(WEIGHT_PATHS)})")
+    path_writers = writers()
+    if weight_path not in path_writers:
+        raise CheckpointError(f"unknown weight path {weight_path!r} (known: {', '.join(path_writers)})")
     params = dict(params or {})
     out = Path(out).expanduser().absolute()
     source = open_source(model)
@@ -130,7 +117,7 @@ def build_checkpoint(
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         tmp.mkdir()
         try:
-            extra_config = WEIGHT_PATHS[weight_path](source, tmp, params)
+            extra_config = path_writers[weight_path](source, tmp, params)
             config = {**source.hf_config(), **extra_config}
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             source.save_tokenizer(tmp)
