@@ -1,0 +1,92 @@
+"""Session fixtures: the default model built once, and one real vLLM server for every engine test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
+
+
+@pytest.fixture(scope="session")
+def spark_edge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spark-edge-home")
+
+
+@pytest.fixture(scope="session")
+def bf16_checkpoint(spark_edge_home: Path) -> Path:
+    """The default model dequantized to bf16, where `spark-edge serve` looks for it (read-only: copy to alter)."""
+    return build_checkpoint(None, "bf16", spark_edge_home / "checkpoints" / f"{DEFAULT_MODEL_ID}-bf16").out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), **(env or {})}
+        cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--port", str(self.port), *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`spark-edge serve` as the README runs it (the default model, bf16), shared by the whole session.
+
+    The checkpoint fixture has already built the model where serve looks, so serve's own
+    up-to-date check (sha256 against the manifest) is exercised, not a rebuild.
+    """
+    log = tmp_path_factory.mktemp("logs") / "bf16_server.log"
+    server = Server(["--weight-path", "bf16"], spark_edge_home, log)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
