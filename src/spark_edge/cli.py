@@ -75,5 +75,13 @@ def serve(model: Path | None, weight_path: str, host: str, port: int, max_model_
     exec_server(opts)
 
 
+def _register_subcommands() -> None:
+    from spark_edge.probe.command import probe
+
+    main.add_command(probe)
+
+
+_register_subcommands()
+
 if __name__ == "__main__":
     main()

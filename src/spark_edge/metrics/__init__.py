@@ -1,0 +1,1 @@
+"""Measurements the operator sees: process-tree memory, and (later) Prometheus series."""

@@ -1,0 +1,99 @@
+"""Anonymous RSS summed over a process and its descendants, and a sampler that keeps the peak.
+
+vLLM's CPU backend loads the model in a worker process, so the server's own RSS misses
+the weights: the whole tree has to be summed.  RssAnon (not VmRSS) is what counts
+against a memory ceiling: VmRSS includes the memory-mapped checkpoint, which the kernel
+can drop.  The kernel keeps no high-water mark for RssAnon, hence the sampling thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # the process ended while we looked
+        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def process_tree(root_pid: int) -> list[int]:
+    children = _children_map()
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """RssAnon of one process; 0 if it has gone."""
+    try:
+        for line in (_PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss_anon_bytes(pids: list[int]) -> int:
+    return sum(rss_anon_bytes(pid) for pid in pids)
+
+
+class TreeRssSampler:
+    """Samples a process tree's anonymous RSS in a background thread and keeps the peak.
+
+    The tree is re-listed every `rescan_s` (vLLM spawns its workers after start), and
+    sampled every `interval_s` in between.
+    """
+
+    def __init__(self, root_pid: int | None = None, interval_s: float = 0.02, rescan_s: float = 0.5):
+        self.root_pid = root_pid or os.getpid()
+        self.interval_s = interval_s
+        self.rescan_s = rescan_s
+        self.current = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> "TreeRssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.current
+
+    def _run(self) -> None:
+        pids: list[int] = []
+        next_scan = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_scan:
+                pids = process_tree(self.root_pid)
+                next_scan = time.monotonic() + self.rescan_s
+            value = tree_rss_anon_bytes(pids)
+            with self._lock:
+                self.current = value
+                self.peak = max(self.peak, value)
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,129 @@
+"""Which instruction-set extensions the CPU offers: x86 cpuinfo flags, ARM hardware capabilities.
+
+The architecture itself is never read from here: under qemu-user emulation /proc/cpuinfo
+describes the host, not the emulated process (see device.py).
+
+On ARM the kernel's hardware capability bits (AT_HWCAP, AT_HWCAP2 in /proc/self/auxv) are the
+authoritative answer; the cpuinfo "Features" line is printed from the same bits and serves as the
+fallback when auxv cannot be read. Names keep the kernel's cpuinfo spellings everywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from spark_edge.probe.procfs import read_bytes, read_text
+
+# x86 flags that decide which vLLM kernels and weight paths run (kernel spellings).
+X86_FEATURES = (
+    "avx2", "fma", "f16c",  # vLLM's _C_AVX2 kernels use all three
+    "avx512f", "avx512bw", "avx512dq", "avx512vl",  # the set torch and vLLM call "AVX-512"
+    "avx512_bf16", "avx512_vnni",
+    "amx_tile", "amx_bf16", "amx_int8",
+)
+
+# ARM features, named as in /proc/cpuinfo, with their Linux arm64 hwcap bits
+# (arch/arm64/include/uapi/asm/hwcap.h).
+AT_HWCAP = 16
+AT_HWCAP2 = 26
+ARM_HWCAP_BITS = {
+    "asimd": (AT_HWCAP, 1 << 1),  # HWCAP_ASIMD: Advanced SIMD (NEON)
+    "asimddp": (AT_HWCAP, 1 << 20),  # HWCAP_ASIMDDP: int8 dot product (SDOT/UDOT)
+    "sve": (AT_HWCAP, 1 << 22),  # HWCAP_SVE
+    "sve2": (AT_HWCAP2, 1 << 1),  # HWCAP2_SVE2
+    "i8mm": (AT_HWCAP2, 1 << 13),  # HWCAP2_I8MM: int8 matrix multiply
+    "bf16": (AT_HWCAP2, 1 << 14),  # HWCAP2_BF16: BFloat16 arithmetic
+}
+ARM_FEATURES = tuple(ARM_HWCAP_BITS)
+
+# Arm Ltd. (implementer 0x41) part numbers of cores spark-edge expects to meet; others print as hex.
+ARM_PARTS = {
+    0xD03: "Cortex-A53",
+    0xD08: "Cortex-A72",
+    0xD0B: "Cortex-A76",
+    0xD0C: "Neoverse-N1",
+    0xD40: "Neoverse-V1",
+    0xD49: "Neoverse-N2",
+    0xD4F: "Neoverse-V2",
+}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    names: frozenset[str]
+    source: str  # "cpuinfo flags", "auxv", "cpuinfo Features", or "none" when nothing was readable
+    model: str | None
+
+
+def probe_cpu_features(root: Path, machine: str) -> CpuFeatures:
+    cpuinfo = read_text(root, "proc/cpuinfo") or ""
+    fields = first_processor_fields(cpuinfo)
+    if machine == "x86_64":
+        flags = fields.get("flags")
+        names = frozenset(flags.split()) & set(X86_FEATURES) if flags is not None else frozenset()
+        return CpuFeatures(names, "cpuinfo flags" if flags is not None else "none", fields.get("model name"))
+    if machine == "aarch64":
+        model = _arm_model(fields)
+        hwcaps = read_auxv_hwcaps(read_bytes(root, "proc/self/auxv"))
+        if hwcaps is not None:
+            return CpuFeatures(decode_arm_hwcaps(*hwcaps), "auxv", model)
+        features = fields.get("Features")
+        if features is not None:
+            return CpuFeatures(frozenset(features.split()) & set(ARM_FEATURES), "cpuinfo Features", model)
+        return CpuFeatures(frozenset(), "none", model)
+    return CpuFeatures(frozenset(), "none", fields.get("model name"))
+
+
+def first_processor_fields(cpuinfo: str) -> dict[str, str]:
+    """"key : value" pairs of the first processor block (features are uniform across CPUs)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def read_auxv_hwcaps(data: bytes | None) -> tuple[int, int] | None:
+    """(AT_HWCAP, AT_HWCAP2) from an auxv image, or None when absent or unreadable.
+
+    auxv is a list of (key, value) pairs of unsigned longs in native byte order, ended by
+    AT_NULL. spark-edge only runs 64-bit userlands (vLLM ships no 32-bit wheels), so pairs are
+    8 + 8 bytes.
+    """
+    if not data or len(data) % 16:
+        return None
+    hwcap: int | None = None
+    hwcap2 = 0  # older kernels do not emit AT_HWCAP2: no bits set
+    for key, value in struct.iter_unpack("=QQ", data):
+        if key == 0:  # AT_NULL
+            break
+        if key == AT_HWCAP:
+            hwcap = value
+        elif key == AT_HWCAP2:
+            hwcap2 = value
+    return (hwcap, hwcap2) if hwcap is not None else None
+
+
+def decode_arm_hwcaps(hwcap: int, hwcap2: int) -> frozenset[str]:
+    words = {AT_HWCAP: hwcap, AT_HWCAP2: hwcap2}
+    return frozenset(name for name, (word, bit) in ARM_HWCAP_BITS.items() if words[word] & bit)
+
+
+def _arm_model(fields: dict[str, str]) -> str | None:
+    implementer, part = fields.get("CPU implementer"), fields.get("CPU part")
+    if implementer is None or part is None:
+        return fields.get("model name")
+    try:
+        implementer_id, part_id = int(implementer, 16), int(part, 16)
+    except ValueError:
+        return None
+    if implementer_id == 0x41 and part_id in ARM_PARTS:
+        return f"Arm {ARM_PARTS[part_id]}"
+    return f"implementer {implementer}, part {part}"

@@ -1,0 +1,67 @@
+"""Whether a spark-edge container image's ISA fits this host, and which image does.
+
+An image built for an ISA the CPU lacks dies with SIGILL somewhere inside a kernel, long after
+start; checking at start turns that into a message naming the image to pull instead.
+"""
+
+from __future__ import annotations
+
+from spark_edge.probe.device import DeviceProfile
+from spark_edge.probe.isa import AVX512, amx_missing_reason, amx_w4a8_ready, has_avx512, host_problem
+
+IMAGES = {
+    "amx": "spark-edge:amx",
+    "avx512": "spark-edge:avx512",
+    "arm64": "spark-edge:arm",
+}
+
+_NEEDS = {
+    "amx": "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
+    "avx512": "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
+    "arm64": "an arm64 CPU with NEON (asimd)",
+}
+
+
+def image_fits(image_isa: str, profile: DeviceProfile) -> bool:
+    if image_isa not in IMAGES:
+        raise ValueError(f"unknown image ISA {image_isa!r}; known: {', '.join(IMAGES)}")
+    if host_problem(profile) is not None:
+        return False
+    if image_isa == "amx":
+        return amx_w4a8_ready(profile) and has_avx512(profile)
+    if image_isa == "avx512":
+        return has_avx512(profile)
+    return profile.machine == "aarch64"
+
+
+def recommended_image(profile: DeviceProfile) -> str | None:
+    """The most specific image this host runs, or None when no image fits."""
+    for isa in ("amx", "avx512", "arm64"):
+        if image_fits(isa, profile):
+            return IMAGES[isa]
+    return None
+
+
+def image_isa_problem(image_isa: str, profile: DeviceProfile) -> str | None:
+    """None when an image built for `image_isa` runs here; otherwise a message naming what to use."""
+    if image_fits(image_isa, profile):
+        return None
+    message = f"{IMAGES[image_isa]} needs {_NEEDS[image_isa]}, and {_why_not(image_isa, profile)}"
+    instead = recommended_image(profile)
+    if instead is not None:
+        return f"{message}: use {instead} instead"
+    problem = host_problem(profile)
+    if problem is not None:
+        return f"{message}; no spark-edge image runs here: {problem}"
+    # An AVX2-only x86 host: vLLM's wheel runs (its _C_AVX2 kernels) but no image targets it.
+    return (f"{message}; no spark-edge image targets AVX2-only CPUs: install spark-edge with pip "
+            "(vLLM's CPU wheel carries AVX2 kernels) instead of using an image")
+
+
+def _why_not(image_isa: str, profile: DeviceProfile) -> str:
+    if image_isa == "arm64" or profile.machine != "x86_64":
+        return f"this CPU is {profile.machine}"
+    if image_isa == "amx" and has_avx512(profile):
+        return amx_missing_reason(profile)
+    missing = [f for f in AVX512 if f not in profile.features]
+    return f"this CPU lacks {', '.join(missing)}"
