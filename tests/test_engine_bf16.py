@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 import requests
 
 from conftest import Server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+from spark_edge.planning.memory_plan import make_plan
+from spark_edge.planning.model_shape import ModelShape
 
 pytestmark = pytest.mark.engine
 
@@ -45,6 +51,46 @@ def test_served_checkpoint_was_not_rebuilt(bf16_server: Server) -> None:
     assert "up to date" in bf16_server.log_path.read_text(errors="replace")
 
 
-def test_metrics_endpoint_serves_vllm_series(bf16_server: Server) -> None:
-    text = requests.get(f"{bf16_server.url}/metrics", timeout=10).text
-    assert "vllm:num_requests_running" in text
+def _scrape(server: Server) -> dict[str, float]:
+    """`name{labels}` -> value for every sample on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def test_metrics_keep_vllm_series_and_add_ours(bf16_server: Server) -> None:
+    # a request first, so the decode rate has something to show
+    body = {"model": _model_name(bf16_server), "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    assert requests.post(f"{bf16_server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    time.sleep(2.5)  # the decode-rate sampler ticks every second
+    m = _scrape(bf16_server)
+    assert any(k.startswith("vllm:num_requests_running") for k in m)
+    assert any(k.startswith("vllm:generation_tokens_total") for k in m)
+    current, peak = m["spark_edge_process_rss_anon_bytes"], m["spark_edge_process_rss_anon_peak_bytes"]
+    assert peak >= current > 100 * 2**20
+    assert m["spark_edge_load_rss_anon_peak_bytes"] > 100 * 2**20
+    assert m["spark_edge_memory_limit_bytes"] > peak
+    assert m["spark_edge_generation_tokens_per_second"] > 0
+    for phase in ("probe", "checkpoint", "engine", "ready"):
+        assert m[f"spark_edge_startup_seconds{{phase={phase}}}"] > 0
+    assert m["spark_edge_startup_seconds{phase=ready}"] >= m["spark_edge_startup_seconds{phase=engine}"]
+    info = [k for k in m if k.startswith("spark_edge_build_info")]
+    assert len(info) == 1 and "weight_path=bf16" in info[0] and "vllm_version=0.32.0" in info[0]
+    assert "spark_edge_compile_cache_hits_total" in m and "spark_edge_compile_cache_misses_total" in m
+
+
+def test_plan_predicts_the_measured_load_peak(bf16_server: Server, bf16_checkpoint: Path) -> None:
+    """The plan's load peak within 15% of the peak sampled through the real start."""
+    config = json.loads((bf16_checkpoint / "config.json").read_text())
+    limit = _scrape(bf16_server)["spark_edge_memory_limit_bytes"]
+    plan = make_plan(ModelShape.from_config(config), "bf16", int(limit), 2048, 4)
+    measured = _scrape(bf16_server)["spark_edge_load_rss_anon_peak_bytes"]
+    print(f"plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    assert abs(plan.load_peak_bytes - measured) / measured <= 0.15

@@ -1,0 +1,104 @@
+"""Run several arms side by side: arm order rotates every pass, and the spread is reported.
+
+The machine is shared and noisy, so only ratios measured in one run mean anything;
+a single pass is labelled as such, and a ratio inside the spread is not a ranking.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from spark_edge.bench.server_arm import ArmResult, run_arm
+
+MiB = 1 << 20
+# (metric, better) -- "max" for rates, "min" for time and memory
+METRICS = (("tg128_tps", "max"), ("pp512_tps", "max"), ("load_peak_bytes", "min"), ("settled_bytes", "min"),
+           ("ready_s", "min"), ("metrics_scrape_s", "min"))
+
+
+def rotated(arms: list[str], pass_index: int) -> list[str]:
+    k = pass_index % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def run_passes(arms: dict[str, tuple[Path, int]], passes: int, home: Path, log_dir: Path, reps: int,
+               serve_args: tuple[str, ...], log: Callable[[str], None]) -> dict[str, list[ArmResult]]:
+    results: dict[str, list[ArmResult]] = {tag: [] for tag in arms}
+    for p in range(passes):
+        for tag in rotated(list(arms), p):
+            checkpoint, vocab = arms[tag]
+            log(f"pass {p + 1}/{passes}: {tag}")
+            try:
+                r = run_arm(tag, checkpoint, vocab, home, log_dir / f"{tag}.log", reps, serve_args)
+            except Exception as exc:  # a failed arm is a result too: record it, keep going
+                log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
+                r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", [str(exc)])
+            else:
+                log(f"  ready {r.ready_s:.1f} s ({r.cache}), tg128 {r.tg128_tps:.1f} tok/s, "
+                    f"pp512 {r.pp512_tps:.0f} tok/s, load peak {r.load_peak_bytes / MiB:.0f} MiB, "
+                    f"settled {r.settled_bytes / MiB:.0f} MiB")
+            results[tag].append(r)
+    return results
+
+
+def _best(values: list[float], better: str) -> float:
+    return max(values) if better == "max" else min(values)
+
+
+def summarize(results: dict[str, list[ArmResult]], baseline: str) -> dict:
+    summary: dict = {"arms": {}, "baseline": baseline}
+    for tag, runs in results.items():
+        ok = [r for r in runs if not r.errors]
+        arm: dict = {"passes": len(runs), "failed": len(runs) - len(ok), "runs": [asdict(r) for r in runs]}
+        for metric, better in METRICS:
+            values = [getattr(r, metric) for r in ok]
+            if values:
+                best = _best(values, better)
+                spread = (max(values) - min(values)) / best if best else 0.0
+                arm[metric] = {"best": best, "median": statistics.median(values), "spread": spread}
+        warm = [r.ready_s for r in ok if r.cache == "warm"]
+        cold = [r.ready_s for r in ok if r.cache == "cold"]
+        if warm and cold:
+            arm["warm_over_cold_ready"] = min(warm) / min(cold)
+        summary["arms"][tag] = arm
+    base = summary["arms"].get(baseline, {})
+    for tag, arm in summary["arms"].items():
+        for metric, _ in METRICS:
+            if metric in arm and metric in base and base[metric]["best"]:
+                arm.setdefault("vs_baseline", {})[metric] = arm[metric]["best"] / base[metric]["best"]
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    head = (f"{'arm':<10} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
+            f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)")
+    lines = [head, "-" * len(head)]
+    for tag, arm in summary["arms"].items():
+        if "tg128_tps" not in arm:
+            lines.append(f"{tag:<10} all {arm['passes']} passes failed")
+            continue
+
+        def cell(metric: str, scale: float = 1.0, fmt: str = ".1f") -> str:
+            m = arm[metric]
+            return f"{m['best'] / scale:{fmt}} ±{100 * m['spread']:.0f}%"
+
+        ratio = arm["load_peak_bytes"]["best"] / max(arm["settled_bytes"]["best"], 1)
+        vs = arm.get("vs_baseline", {})
+        lines.append(
+            f"{tag:<10} {cell('tg128_tps'):>12} {cell('pp512_tps', fmt='.0f'):>12} "
+            f"{cell('load_peak_bytes', MiB, '.0f'):>14} {cell('settled_bytes', MiB, '.0f'):>12} {ratio:>12.2f} "
+            f"{arm['ready_s']['best']:>8.1f}   "
+            f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x")
+    passes = max(a["passes"] for a in summary["arms"].values())
+    if passes < 2:
+        lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")
+    lines.append("± is (max - min) / best over passes; a ratio inside the spread is not a ranking")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict, path: Path) -> None:
+    path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,131 @@
+"""One benchmark arm: start `spark-edge serve` on a checkpoint, measure it, stop it.
+
+Semantics follow llama-bench: prefill = a 512-token prompt generating 1 token;
+decode = (1-token prompt generating 128) minus (1-token prompt generating 1), so
+prefill and request overhead cancel out.  Prompts are random token ids, new for every
+request, so vLLM's prefix cache never serves a repeat.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from spark_edge.metrics.process_tree import TreeRssSampler
+
+MiB = 1 << 20
+
+
+@dataclass
+class ArmResult:
+    tag: str
+    ready_s: float  # process start to /health 200
+    load_peak_bytes: int  # RssAnon over the tree, peak from start to ready
+    settled_bytes: int  # RssAnon over the tree once idle after ready
+    pp512_tps: float
+    tg128_tps: float
+    run_peak_bytes: int  # peak over the whole run, workloads included
+    cache: str  # "cold" or "warm"
+    metrics_scrape_s: float = 0.0  # best of 5 GETs of /metrics
+    errors: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Client:
+    def __init__(self, url: str, model: str, vocab: int, seed: int):
+        self.url, self.model, self.vocab = url, model, vocab
+        self.rng = random.Random(seed)
+
+    def _prompt(self, n: int) -> list[int]:
+        # stay clear of the special tokens at the start of the vocabulary
+        return [self.rng.randrange(256, self.vocab) for _ in range(n)]
+
+    def complete(self, n_prompt: int, n_gen: int) -> float:
+        body = {"model": self.model, "prompt": self._prompt(n_prompt), "max_tokens": n_gen, "temperature": 0,
+                "ignore_eos": True}
+        start = time.perf_counter()
+        reply = requests.post(f"{self.url}/v1/completions", json=body, timeout=600)
+        elapsed = time.perf_counter() - start
+        reply.raise_for_status()
+        got = reply.json()["usage"]["completion_tokens"]
+        if got != n_gen:
+            raise RuntimeError(f"asked for {n_gen} tokens, got {got}")
+        return elapsed
+
+
+def _timed_get(url: str) -> float:
+    start = time.perf_counter()
+    requests.get(url, timeout=30).raise_for_status()
+    return time.perf_counter() - start
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"not ready after {timeout_s} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
+            serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+            ready_timeout_s: float = 900) -> ArmResult:
+    cache_root = home / "vllm-cache" / tag
+    cache = "warm" if cache_root.exists() else "cold"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
+           *serve_args]
+    full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), "VLLM_CACHE_ROOT": str(cache_root), **(env or {})}
+    with open(log_path, "ab") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        sampler = TreeRssSampler(proc.pid).start()
+        try:
+            _wait_ready(proc, url, ready_timeout_s)
+            ready_s = time.monotonic() - start
+            load_peak = sampler.peak
+            time.sleep(3)  # let the allocator settle before reading the idle figure
+            settled = sampler.current
+            client = _Client(url, checkpoint.name, vocab, seed=zlib.crc32(tag.encode()))
+            client.complete(8, 8)  # one warm-up request
+            pp = min(client.complete(512, 1) for _ in range(reps))
+            t1 = min(client.complete(1, 1) for _ in range(reps))
+            t128 = min(client.complete(1, 128) for _ in range(reps))
+            scrape = min(_timed_get(f"{url}/metrics") for _ in range(5))
+            return ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, cache,
+                             scrape)
+        finally:
+            sampler.stop()
+            _stop(proc)

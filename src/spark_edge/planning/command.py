@@ -1,0 +1,65 @@
+"""`spark-edge plan`: the memory plan for a model and weight path under this host's ceiling."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from spark_edge import exit_codes, weight_paths
+
+
+def model_config(model: Path | None) -> dict:
+    """config.json of a built or HF checkpoint, or the config a GGUF converts to."""
+    if model is not None and (Path(model) / "config.json").is_file():
+        return json.loads((Path(model) / "config.json").read_text())
+    from spark_edge.checkpoints.sources import open_source
+
+    return open_source(model).hf_config()
+
+
+def quant_group(config: dict, default: int = 32) -> int:
+    return int(config.get("quantization_config", {}).get("group_size", default))
+
+
+@click.command()
+@click.option("--model", type=click.Path(path_type=Path), default=None, help="Default: SmolLM2-135M-Instruct.")
+@click.option("--weight-path", type=click.Choice(list(weight_paths.NAMES)), default=None,
+              help="Default: what `spark-edge probe` picks for this host.")
+@click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--memory-limit", type=click.IntRange(1), default=None,
+              help="Ceiling in bytes (default: the probe's: host available memory or the cgroup limit).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_num_seqs: int,
+         memory_limit: int | None, as_json: bool) -> None:
+    """Predict load peak and steady anonymous RSS, and the context that fits."""
+    from spark_edge.checkpoints.errors import CheckpointError
+    from spark_edge.planning.memory_plan import PlanRefused, make_plan
+    from spark_edge.planning.model_shape import ModelShape
+    from spark_edge.probe.device import probe_device
+    from spark_edge.probe.errors import UnsupportedHostError
+    from spark_edge.probe.weight_path_choice import select_weight_path
+
+    try:
+        device = probe_device()
+        path = select_weight_path(device, explicit=weight_path).name
+        config = model_config(model)
+    except UnsupportedHostError as exc:
+        click.echo(f"spark-edge: error: {exc}", err=True)
+        sys.exit(exit_codes.UNSUPPORTED_HOST)
+    except CheckpointError as exc:
+        click.echo(f"spark-edge: error: {exc}", err=True)
+        sys.exit(exit_codes.CHECKPOINT)
+    ceiling = memory_limit or device.memory.ceiling
+    shape = ModelShape.from_config(config)
+    try:
+        result = make_plan(shape, path, ceiling, max_model_len, max_num_seqs, quant_group(config))
+    except PlanRefused as exc:
+        if as_json:
+            click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))
+        click.echo(f"spark-edge: error: {exc}", err=True)
+        sys.exit(exit_codes.MEMORY)
+    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else result.summary())

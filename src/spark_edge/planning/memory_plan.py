@@ -1,0 +1,150 @@
+"""The memory plan: predicted anonymous RSS of the whole server, and a context that fits.
+
+    steady    = runtime baseline + weights + KV cache + activations
+    load peak = steady + load transient
+
+Every term is anonymous RSS summed over vLLM's processes (API server, engine core,
+worker), the figure a cgroup limit counts.  The constants below are calibrated by
+measurement; docs/memory-plan.md says how, and `spark-edge bench` re-measures them.
+
+The plan picks the KV cache and context under `ceiling - headroom`: first it shrinks
+the KV cache from `max_num_seqs` full-length sequences down to one, then it halves the
+context; if even MIN_CONTEXT does not fit, it refuses before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from spark_edge.planning.model_shape import ModelShape
+from spark_edge.planning.weight_bytes import weight_bytes
+
+MiB = 1 << 20
+
+# Calibrated on this machine (vLLM 0.32, torch 2.13, SmolLM2-135M), see docs/memory-plan.md:
+# anonymous RSS of the API server, engine core and worker with the weights and KV cache
+# subtracted (imports, oneDNN/OpenMP pools, the compiled graph, allocator slack).
+RUNTIME_BASELINE_BYTES = 1770 * MiB
+# Load-time excess over steady state, as a fraction of the weights plus a fixed part
+# (vLLM's profiling run, the compile/warm-up step, our repack chunks).
+LOAD_TRANSIENT_FIXED_BYTES = 32 * MiB
+LOAD_TRANSIENT_WEIGHT_FRACTION = {"bf16": 0.05, "w4a16": 0.25, "w4a8": 0.50}
+
+HEADROOM_FRACTION = 0.10
+MIN_HEADROOM_BYTES = 128 * MiB
+MIN_CONTEXT = 256
+KV_BLOCK_TOKENS = 128  # vLLM allocates the CPU KV cache in whole blocks
+
+
+class PlanRefused(Exception):
+    """The model cannot be served under the ceiling even at the minimum context."""
+
+    def __init__(self, message: str, plan: "MemoryPlan"):
+        super().__init__(message)
+        self.plan = plan
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_path: str
+    ceiling_bytes: int
+    headroom_bytes: int
+    baseline_bytes: int
+    weights_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    activation_bytes: int
+    load_transient_bytes: int
+    max_model_len: int
+    requested_max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def steady_bytes(self) -> int:
+        return self.baseline_bytes + self.weights_bytes + self.kv_bytes + self.activation_bytes
+
+    @property
+    def load_peak_bytes(self) -> int:
+        return self.steady_bytes + self.load_transient_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.ceiling_bytes - self.headroom_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.load_peak_bytes <= self.budget_bytes
+
+    @property
+    def reduced_context(self) -> bool:
+        return self.max_model_len < self.requested_max_model_len
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(steady_bytes=self.steady_bytes, load_peak_bytes=self.load_peak_bytes,
+                 budget_bytes=self.budget_bytes, fits=self.fits, reduced_context=self.reduced_context)
+        return d
+
+    def summary(self) -> str:
+        def mib(b: int) -> str:
+            return f"{b / MiB:.0f} MiB"
+
+        ctx = f"context {self.max_model_len}"
+        if self.reduced_context:
+            ctx += f" (reduced from {self.requested_max_model_len} to fit)"
+        return (f"{self.weight_path}: load peak {mib(self.load_peak_bytes)}, steady {mib(self.steady_bytes)} "
+                f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
+                f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
+                f"load transient {mib(self.load_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
+                f"with {mib(self.headroom_bytes)} headroom; {ctx}")
+
+
+def activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The widest step: a full prefill chunk through one layer, plus fp32 logits per sequence."""
+    per_token = 2 * (4 * shape.hidden + 3 * shape.intermediate)  # bf16 residual, qkv, mlp in/out
+    return max_num_batched_tokens * per_token + 2 * 4 * max_num_seqs * shape.vocab
+
+
+def kv_bytes_for(shape: ModelShape, tokens: int) -> int:
+    blocks = -(-tokens // KV_BLOCK_TOKENS)
+    return blocks * KV_BLOCK_TOKENS * shape.kv_bytes_per_token()
+
+
+def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
+          requested: int, max_num_seqs: int) -> MemoryPlan:
+    weights = weight_bytes(shape, weight_path, group)
+    batched = max(context, 2048)  # vLLM's chunked prefill batches up to max(context, 2048) tokens
+    return MemoryPlan(
+        weight_path=weight_path,
+        ceiling_bytes=ceiling,
+        headroom_bytes=max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * ceiling)),
+        baseline_bytes=RUNTIME_BASELINE_BYTES,
+        weights_bytes=weights,
+        kv_bytes=kv_bytes_for(shape, kv_tokens),
+        kv_tokens=kv_tokens,
+        activation_bytes=activation_bytes(shape, batched, max_num_seqs),
+        load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(LOAD_TRANSIENT_WEIGHT_FRACTION[weight_path] * weights),
+        max_model_len=context,
+        requested_max_model_len=requested,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model_len: int,
+              max_num_seqs: int = 4, group: int = 32) -> MemoryPlan:
+    """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused."""
+    context = max_model_len
+    while True:
+        # KV for every sequence at full length, down to one full-length sequence
+        for seqs in range(max_num_seqs, 0, -1):
+            plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
+                         max_num_seqs)
+            if plan.fits:
+                return plan
+        if context <= MIN_CONTEXT:
+            raise PlanRefused(
+                f"does not fit: even a {context}-token context needs a load peak of "
+                f"{plan.load_peak_bytes / MiB:.0f} MiB, and the budget is {plan.budget_bytes / MiB:.0f} MiB "
+                f"(ceiling {ceiling_bytes / MiB:.0f} MiB minus {plan.headroom_bytes / MiB:.0f} MiB headroom). "
+                f"{plan.summary()}", plan)
+        context = max(MIN_CONTEXT, context // 2)

@@ -1,0 +1,172 @@
+"""`spark-edge serve`: probe -> weight path -> checkpoint -> memory plan -> vLLM, with metrics.
+
+Everything that can refuse (an unsupported CPU, a corrupt checkpoint, a ceiling the
+model cannot fit under) refuses here, before vLLM loads a byte, with a documented exit
+code, so a supervisor sees a clear error instead of an OOM kill or SIGILL crash loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from spark_edge import __version__
+from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.paths import spark_edge_home
+from spark_edge.planning.memory_plan import MemoryPlan, make_plan
+from spark_edge.planning.model_shape import ModelShape
+from spark_edge.probe.device import DeviceProfile, probe_device
+from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
+from spark_edge.serving.checkpoint import checkpoint_for_serving
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    model: Path | None
+    weight_path: str  # "auto" or a weight path name
+    priority: str
+    host: str
+    port: int
+    max_model_len: int
+    max_num_seqs: int
+    memory_limit: int | None = None
+
+
+class _Phases:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.monotonic()
+        yield
+        self.seconds[name] = time.monotonic() - t
+
+
+def isa_label(device: DeviceProfile) -> str:
+    """The image family this host runs: amx, avx512, avx2 or arm64."""
+    if device.machine == "aarch64":
+        return "arm64"
+    if device.amx_usable and device.has("amx_int8"):
+        return "amx"
+    return "avx512" if device.has("avx512f") else "avx2"
+
+
+def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: MemoryPlan) -> list[str]:
+    return [
+        "--model", str(checkpoint),
+        "--served-model-name", served_name,
+        "--host", req.host,
+        "--port", str(req.port),
+        "--dtype", "bfloat16",
+        "--max-model-len", str(plan.max_model_len),
+        "--max-num-seqs", str(req.max_num_seqs),
+        "--kv-cache-memory-bytes", str(plan.kv_bytes),
+    ]  # fmt: skip
+
+
+def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path) -> dict[str, str]:
+    """Environment for vLLM and its worker processes (set before vLLM is imported)."""
+    env = {
+        # Nothing is ever fetched from a model hub: the checkpoint is local.
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": str(cache_root),
+        "SPARK_EDGE_RUN_DIR": str(run_dir),
+    }
+    cores = device.cpus
+    if cores.usable_cores < len(cores.affinity):
+        # a CPU quota below the affinity mask: bind the worker's OpenMP threads to that many cores
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores.affinity[: cores.usable_cores])
+    return env
+
+
+def _built_weight_path(checkpoint: Path, fallback: str) -> str:
+    manifest = checkpoint / "spark_edge_manifest.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["inputs"]["weight_path"]
+    return fallback
+
+
+def _fresh_run_dir() -> Path:
+    run_dir = spark_edge_home() / "run" / str(os.getpid())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.iterdir():  # a reused pid: last run's events are not ours
+        stale.unlink()
+    return run_dir
+
+
+@dataclass
+class Prepared:
+    device: DeviceProfile
+    choice: WeightPathChoice
+    checkpoint: Path
+    served_name: str
+    weight_path: str  # of the checkpoint actually served
+    plan: MemoryPlan
+    run_dir: Path
+    cache_root: Path
+    phases: _Phases
+    sampler: TreeRssSampler
+
+
+def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
+    """Everything before vLLM; raises UnsupportedHostError, CheckpointError or PlanRefused."""
+    phases = _Phases()
+    sampler = TreeRssSampler(os.getpid()).start()
+    with phases.phase("probe"):
+        device = probe_device()
+        explicit = None if req.weight_path == "auto" else req.weight_path
+        choice = select_weight_path(device, req.priority, explicit)
+    with phases.phase("checkpoint"):
+        checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
+    config = json.loads((checkpoint / "config.json").read_text())
+    path = _built_weight_path(checkpoint, choice.name)
+    group = int(config.get("quantization_config", {}).get("group_size", 32))
+    ceiling = req.memory_limit or device.memory.ceiling
+    plan = make_plan(ModelShape.from_config(config), path, ceiling, req.max_model_len, req.max_num_seqs, group)
+    return Prepared(device, choice, checkpoint, served_name, path, plan, _fresh_run_dir(),
+                    spark_edge_home() / "vllm-cache", phases, sampler)
+
+
+def startup_summary(p: Prepared) -> str:
+    d, c = p.device, p.choice
+    unverified = "" if c.verified else " [not yet verified on this CPU class]"
+    return (f"device: {d.machine} {isa_label(d)}, {d.cpus.usable_cores} usable cores, ceiling "
+            f"{p.plan.ceiling_bytes / 2**20:.0f} MiB | weight path: {p.weight_path} ({c.reason}){unverified} | "
+            f"plan: {p.plan.summary()}")
+
+
+def run(req: ServeRequest, log: Callable[[str], None]) -> None:
+    p = prepare(req, log)
+    os.environ.update(server_env(p.device, p.run_dir, p.cache_root))
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
+    import vllm  # only now: some of vLLM's settings are read from the environment at import
+
+    from spark_edge.metrics.prometheus import ServerFacts, install
+    from spark_edge.serving.launch import run_openai_server
+    facts = ServerFacts(isa=isa_label(p.device), weight_path=p.weight_path, version=__version__,
+                        vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
+                        startup_seconds=p.phases.seconds)
+    install(facts, p.sampler)
+    log(startup_summary(p))
+    for note in p.choice.notes:
+        log(f"note: {note}")
+    engine_start = time.monotonic()
+
+    def on_engine_ready() -> None:
+        now = time.monotonic()
+        p.phases.seconds["engine"] = now - engine_start
+        p.phases.seconds["ready"] = now - p.phases.start
+        facts.load_peak_bytes = p.sampler.peak
+        log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
+            f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
+
+    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready)

@@ -1,0 +1,74 @@
+"""The memory plan: its arithmetic, its choices under a ceiling, and its refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from spark_edge import exit_codes
+from spark_edge.planning.command import plan as plan_command
+from spark_edge.planning.memory_plan import MIN_CONTEXT, MiB, PlanRefused, kv_bytes_for, make_plan
+from spark_edge.planning.model_shape import ModelShape
+from spark_edge.planning.weight_bytes import weight_bytes
+
+SMOLLM2 = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                     tied_embeddings=True)
+# Spark-X2.5-1.7B as the reference facts give it (fused QKV and the head gate aside)
+SPARK = ModelShape(layers=28, hidden=2048, intermediate=6656, heads=8, kv_heads=2, head_dim=256, vocab=131072,
+                   tied_embeddings=True)
+
+
+def test_kv_bytes_per_token() -> None:
+    assert SMOLLM2.kv_bytes_per_token() == 30 * 3 * 64 * 2 * 2
+    assert SPARK.kv_bytes_per_token() == 56 * 1024  # 56 KiB/token, as measured on vLLM's CPU backend
+    assert kv_bytes_for(SMOLLM2, 1) == kv_bytes_for(SMOLLM2, 128)  # whole blocks
+
+
+def test_bf16_weight_bytes_match_the_built_checkpoint(bf16_checkpoint: Path) -> None:
+    config = json.loads((bf16_checkpoint / "config.json").read_text())
+    assert ModelShape.from_config(config) == SMOLLM2
+    on_disk = (bf16_checkpoint / "model.safetensors").stat().st_size
+    assert abs(weight_bytes(SMOLLM2, "bf16", 32) - on_disk) / on_disk < 0.001
+
+
+def test_4bit_paths_are_about_a_quarter_of_bf16() -> None:
+    bf16 = weight_bytes(SPARK, "bf16", 128)
+    assert 3.3e9 < bf16 < 3.5e9  # "bf16 weights 3.42 GB"
+    assert 0.25 < weight_bytes(SPARK, "w4a16", 128) / bf16 < 0.30
+    # w4a8 keeps a bf16 embedding table beside the 4-bit head
+    assert weight_bytes(SPARK, "w4a8", 128) > weight_bytes(SPARK, "w4a16", 128)
+
+
+def test_ample_memory_gets_what_was_asked() -> None:
+    plan = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048, max_num_seqs=4)
+    assert (plan.max_model_len, plan.kv_tokens, plan.reduced_context) == (2048, 4 * 2048, False)
+    assert plan.load_peak_bytes > plan.steady_bytes > plan.weights_bytes
+
+
+def test_a_tight_ceiling_shrinks_kv_then_context() -> None:
+    full = make_plan(SMOLLM2, "bf16", 16 << 30, 8192, max_num_seqs=4)
+    # room for the model and about one full-length sequence, not four
+    one_seq = full.load_peak_bytes - full.kv_bytes + kv_bytes_for(SMOLLM2, 8192)
+    ceiling = int((one_seq + 20 * MiB) / 0.9)
+    plan = make_plan(SMOLLM2, "bf16", ceiling, 8192, max_num_seqs=4)
+    assert plan.fits and plan.max_model_len == 8192 and plan.kv_tokens < 4 * 8192
+    smaller = make_plan(SMOLLM2, "bf16", int(ceiling - 150 * MiB), 8192, max_num_seqs=4)
+    assert smaller.fits and smaller.reduced_context and smaller.max_model_len < 8192
+
+
+def test_too_small_a_ceiling_is_refused_with_numbers() -> None:
+    with pytest.raises(PlanRefused, match=rf"even a {MIN_CONTEXT}-token context needs a load peak of \d+ MiB"):
+        make_plan(SPARK, "bf16", 2 << 30, 4096)
+
+
+def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> None:
+    result = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16",
+                                               "--memory-limit", str(512 * MiB), "--json"])
+    assert result.exit_code == exit_codes.MEMORY
+    out = json.loads(result.stdout)
+    assert out["fits"] is False and out["load_peak_bytes"] > out["budget_bytes"]
+    ok = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16", "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["fits"] is True
