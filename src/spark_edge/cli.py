@@ -50,39 +50,59 @@ def build(weight_path: str, model: Path | None, out: Path | None) -> None:
     click.echo(str(result.out))
 
 
-@main.command()
-@click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
-                   "(default: SmolLM2-135M-Instruct).")
-@click.option("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto", show_default=True,
-              envvar="SPARK_EDGE_WEIGHT_PATH", help="auto: what `spark-edge probe` picks for this host.")
-@click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
-              envvar="SPARK_EDGE_PRIORITY", help="fidelity prefers bf16 activations (w4a16) over w4a8.")
-@click.option("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, envvar="SPARK_EDGE_PORT")
-@click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True,
-              envvar="SPARK_EDGE_MAX_MODEL_LEN",
-              help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it).")
-@click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True, envvar="SPARK_EDGE_MAX_NUM_SEQS",
-              help="Requests decoded together.")
-@click.option("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
-              help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit).")
-def serve(model: Path | None, weight_path: str, priority: str, host: str, port: int, max_model_len: int,
-          max_num_seqs: int, memory_limit: int | None) -> None:
-    """Probe, plan and serve a model through vLLM's OpenAI-compatible API."""
+def _serve_options(f):
+    """The options `serve` and `warm` share: warm must build what serve will run, to the byte."""
+    for option in reversed([
+        click.option("--model", type=click.Path(path_type=Path), default=None,
+                     help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
+                          "(default: SmolLM2-135M-Instruct)."),
+        click.option("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto",
+                     show_default=True, envvar="SPARK_EDGE_WEIGHT_PATH",
+                     help="auto: what `spark-edge probe` picks for this host."),
+        click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
+                     envvar="SPARK_EDGE_PRIORITY", help="fidelity prefers bf16 activations (w4a16) over w4a8."),
+        click.option("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST"),
+        click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+                     envvar="SPARK_EDGE_PORT"),
+        click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True,
+                     envvar="SPARK_EDGE_MAX_MODEL_LEN",
+                     help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it)."),
+        click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True,
+                     envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
+        click.option("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
+                     help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _run_server(serve_mode: bool, **kwargs) -> None:
     from spark_edge.planning.memory_plan import PlanRefused
     from spark_edge.probe.errors import UnsupportedHostError
     from spark_edge.serving.serve import ServeRequest, run
 
-    req = ServeRequest(model, weight_path, priority, host, port, max_model_len, max_num_seqs, memory_limit)
     try:
-        run(req, log=_log)
+        run(ServeRequest(**kwargs), log=_log, serve=serve_mode)
     except CheckpointError as exc:
         _fail(str(exc), exit_codes.CHECKPOINT)
     except UnsupportedHostError as exc:
         _fail(str(exc), exit_codes.UNSUPPORTED_HOST)
     except PlanRefused as exc:
         _fail(str(exc), exit_codes.MEMORY)
+
+
+@main.command()
+@_serve_options
+def serve(**kwargs) -> None:
+    """Probe, plan and serve a model through vLLM's OpenAI-compatible API."""
+    _run_server(True, **kwargs)
+
+
+@main.command()
+@_serve_options
+def warm(**kwargs) -> None:
+    """Build the checkpoint and fill the compile cache for `serve` with the same options, then exit."""
+    _run_server(False, **kwargs)
 
 
 def _register_subcommands() -> None:

@@ -16,7 +16,8 @@ import signal
 from typing import Callable
 
 
-def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None]) -> None:
+def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None], serve: bool = True) -> None:
+    """Serve until shut down; with serve=False, stop once the engine is ready (`spark-edge warm`)."""
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -28,10 +29,10 @@ def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None]) -> N
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, on_engine_ready))
+    uvloop.run(_serve(args, on_engine_ready, serve))
 
 
-async def _serve(args, on_engine_ready: Callable[[], None]) -> None:
+async def _serve(args, on_engine_ready: Callable[[], None], serve: bool) -> None:
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
     from vllm.entrypoints.launchers.launcher import setup_server
     from vllm.utils.system_utils import decorate_logs
@@ -46,6 +47,9 @@ async def _serve(args, on_engine_ready: Callable[[], None]) -> None:
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as engine_client:
         on_engine_ready()
+        if not serve:
+            sock.close()
+            return
         shutdown_task = await build_and_serve(engine_client, listen_address, sock, args)
     try:
         await shutdown_task

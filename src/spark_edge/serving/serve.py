@@ -144,7 +144,8 @@ def startup_summary(p: Prepared) -> str:
             f"plan: {p.plan.summary()}")
 
 
-def run(req: ServeRequest, log: Callable[[str], None]) -> None:
+def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> None:
+    """Serve; with serve=False, load and compile (filling the compile cache) and stop (`spark-edge warm`)."""
     p = prepare(req, log)
     os.environ.update(server_env(p.device, p.run_dir, p.cache_root))
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
@@ -169,4 +170,4 @@ def run(req: ServeRequest, log: Callable[[str], None]) -> None:
         log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
 
-    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready)
+    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve)
