@@ -17,7 +17,8 @@ import requests
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 
-SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
+SERVER_START_TIMEOUT_S = 900
+SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session server requires it on /v1/*  # a cold start compiles the model: ~100 s here, more on a busy machine
 
 
 @pytest.fixture(scope="session")
@@ -38,15 +39,26 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None,
+                 api_key: str | None = None):
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), **(env or {})}
+        if api_key:
+            full_env["SPARK_EDGE_API_KEY"] = api_key
         cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--port", str(self.port), *args]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        return requests.get(f"{self.url}{path}", headers=self.headers, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, body: dict, **kw) -> requests.Response:
+        return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=kw.pop("timeout", 300), **kw)
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -84,7 +96,7 @@ def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: 
     up-to-date check (sha256 against the manifest) is exercised, not a rebuild.
     """
     log = tmp_path_factory.mktemp("logs") / "bf16_server.log"
-    server = Server(["--weight-path", "bf16"], spark_edge_home, log)
+    server = Server(["--weight-path", "bf16"], spark_edge_home, log, api_key=SESSION_API_KEY)
     try:
         server.wait_ready()
         yield server

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 
 
 def _model_name(server: Server) -> str:
-    models = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    models = server.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == [DEFAULT_MODEL_ID]
     return models[0]["id"]
 
@@ -30,7 +30,7 @@ def test_health_is_200_when_ready(bf16_server: Server) -> None:
 def test_greedy_completion_knows_paris(bf16_server: Server) -> None:
     body = {"model": _model_name(bf16_server), "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0}
-    reply = requests.post(f"{bf16_server.url}/v1/completions", json=body, timeout=120)
+    reply = bf16_server.post("/v1/completions", body)
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     assert "Paris" in choice["text"]
@@ -40,7 +40,7 @@ def test_greedy_completion_knows_paris(bf16_server: Server) -> None:
 def test_chat_completion_answers(bf16_server: Server) -> None:
     body = {"model": _model_name(bf16_server), "max_tokens": 24, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-    reply = requests.post(f"{bf16_server.url}/v1/chat/completions", json=body, timeout=120)
+    reply = bf16_server.post("/v1/chat/completions", body)
     assert reply.status_code == 200, reply.text
     message = reply.json()["choices"][0]["message"]
     assert message["role"] == "assistant"
@@ -68,7 +68,7 @@ def test_metrics_keep_vllm_series_and_add_ours(bf16_server: Server) -> None:
     # a request first, so the decode rate has something to show
     body = {"model": _model_name(bf16_server), "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
             "ignore_eos": True}
-    assert requests.post(f"{bf16_server.url}/v1/completions", json=body, timeout=120).status_code == 200
+    assert bf16_server.post("/v1/completions", body).status_code == 200
     time.sleep(2.5)  # the decode-rate sampler ticks every second
     m = _scrape(bf16_server)
     assert any(k.startswith("vllm:num_requests_running") for k in m)
@@ -94,3 +94,19 @@ def test_plan_predicts_the_measured_load_peak(bf16_server: Server, bf16_checkpoi
     measured = _scrape(bf16_server)["spark_edge_load_rss_anon_peak_bytes"]
     print(f"plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert abs(plan.load_peak_bytes - measured) / measured <= 0.15
+
+
+def test_api_key_guards_generation_but_not_probes(bf16_server: Server) -> None:
+    body = {"model": DEFAULT_MODEL_ID, "prompt": "Hi", "max_tokens": 1}
+    assert requests.post(f"{bf16_server.url}/v1/completions", json=body, timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert requests.post(f"{bf16_server.url}/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
+    assert requests.get(f"{bf16_server.url}/v1/models", timeout=30).status_code == 401
+    assert requests.get(f"{bf16_server.url}/health", timeout=30).status_code == 200
+    assert requests.get(f"{bf16_server.url}/metrics", timeout=30).status_code == 200
+    assert bf16_server.post("/v1/completions", body).status_code == 200
+
+
+def test_api_key_never_appears_in_the_logs(bf16_server: Server) -> None:
+    assert "API key required" in bf16_server.log_path.read_text(errors="replace")
+    assert bf16_server.api_key not in bf16_server.log_path.read_text(errors="replace")

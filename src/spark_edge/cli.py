@@ -71,6 +71,11 @@ def _serve_options(f):
                      envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
         click.option("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
                      help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
+        click.option("--api-key", default=None, envvar="SPARK_EDGE_API_KEY",
+                     help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
+                          "a command line is visible to other users)."),
+        click.option("--api-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                     envvar="SPARK_EDGE_API_KEY_FILE", help="Read the API key from this file (first line)."),
     ]):
         f = option(f)
     return f

@@ -108,6 +108,7 @@ def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, 
     cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
            *serve_args]
     full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), "VLLM_CACHE_ROOT": str(cache_root), **(env or {})}
+    full_env.pop("SPARK_EDGE_API_KEY", None)  # the bench talks to its own servers without a key
     with open(log_path, "ab") as log:
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

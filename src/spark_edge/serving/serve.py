@@ -11,9 +11,11 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
+
+import click
 
 from spark_edge import __version__
 from spark_edge.metrics.process_tree import TreeRssSampler
@@ -21,6 +23,8 @@ from spark_edge.paths import spark_edge_home
 from spark_edge.planning.memory_plan import MemoryPlan, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile, probe_device
+from spark_edge.probe.errors import UnsupportedHostError
+from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
 from spark_edge.serving.checkpoint import checkpoint_for_serving
 
@@ -35,6 +39,24 @@ class ServeRequest:
     max_model_len: int
     max_num_seqs: int
     memory_limit: int | None = None
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: Path | None = None
+
+
+def resolve_api_key(req: ServeRequest) -> str | None:
+    """The key from --api-key / SPARK_EDGE_API_KEY, or the first line of the key file."""
+    if req.api_key and req.api_key_file:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
+    if req.api_key_file is not None:
+        try:
+            lines = req.api_key_file.read_text().strip().splitlines()
+        except OSError as exc:
+            raise click.UsageError(f"cannot read the API key file {req.api_key_file}: {exc.strerror}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise click.UsageError(f"the API key file {req.api_key_file} is empty")
+        return key
+    return req.api_key or None
 
 
 class _Phases:
@@ -117,12 +139,24 @@ class Prepared:
     sampler: TreeRssSampler
 
 
+def _refuse_wrong_image(device: DeviceProfile) -> None:
+    """In a spark-edge image (SPARK_EDGE_IMAGE_ISA is baked in), refuse a CPU the image was not built for.
+
+    Its kernels would die with SIGILL deep in vLLM; the message names the image to use instead.
+    """
+    image_isa = os.environ.get("SPARK_EDGE_IMAGE_ISA")
+    problem = image_isa_problem(image_isa, device) if image_isa else None
+    if problem is not None:
+        raise UnsupportedHostError(problem)
+
+
 def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
     """Everything before vLLM; raises UnsupportedHostError, CheckpointError or PlanRefused."""
     phases = _Phases()
     sampler = TreeRssSampler(os.getpid()).start()
     with phases.phase("probe"):
         device = probe_device()
+        _refuse_wrong_image(device)
         explicit = None if req.weight_path == "auto" else req.weight_path
         choice = select_weight_path(device, req.priority, explicit)
     with phases.phase("checkpoint"):
@@ -146,8 +180,13 @@ def startup_summary(p: Prepared) -> str:
 
 def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> None:
     """Serve; with serve=False, load and compile (filling the compile cache) and stop (`spark-edge warm`)."""
+    api_key = resolve_api_key(req)
     p = prepare(req, log)
     os.environ.update(server_env(p.device, p.run_dir, p.cache_root))
+    if api_key:
+        # vLLM guards /v1/* (and /v2, /inference) with it; /health and /metrics stay open for probes.
+        # Through the environment, not argv: vLLM logs its non-default arguments.
+        os.environ["VLLM_API_KEY"] = api_key
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
     import vllm  # only now: some of vLLM's settings are read from the environment at import
 
@@ -157,7 +196,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
                         vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
                         startup_seconds=p.phases.seconds)
     install(facts, p.sampler)
-    log(startup_summary(p))
+    log(startup_summary(p) + (" | API key required on /v1" if api_key else ""))
     for note in p.choice.notes:
         log(f"note: {note}")
     engine_start = time.monotonic()
