@@ -36,18 +36,43 @@ def main() -> None:
               help="Source: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Output folder (default: under $SPARK_EDGE_HOME/checkpoints).")
-def build(weight_path: str, model: Path | None, out: Path | None) -> None:
+@click.option("--group-size", type=click.IntRange(8), default=None,
+              help="4-bit paths: inputs per scale group (w4a16 default 32; w4a8 default the largest of "
+                   "128/64/32 dividing every K).")
+@click.option("--no-search", is_flag=True, help="4-bit paths: plain min/max grid, no per-group scale search.")
+@click.option("--keep-embedding", is_flag=True, help="w4a16: keep the embedding / tied head in bf16.")
+def build(weight_path: str, model: Path | None, out: Path | None, group_size: int | None, no_search: bool,
+          keep_embedding: bool) -> None:
     """Build a servable Hugging Face checkpoint for one weight path."""
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
 
+    params = build_params(weight_path, group_size, no_search, keep_embedding)
     target = out or checkpoint_dir(model_id(model), weight_path)
     try:
-        result = build_checkpoint(model, weight_path, target, log=_log)
+        result = build_checkpoint(model, weight_path, target, params, log=_log)
     except CheckpointError as exc:
         _fail(str(exc), exit_codes.CHECKPOINT)
     click.echo(str(result.out))
+
+
+def build_params(weight_path: str, group_size: int | None, no_search: bool, keep_embedding: bool) -> dict:
+    """Only the options a path understands, and only when given: defaults stay the writer's."""
+    if weight_path == "bf16":
+        if group_size or no_search or keep_embedding:
+            raise click.UsageError("--group-size, --no-search and --keep-embedding apply to 4-bit paths")
+        return {}
+    if keep_embedding and weight_path != "w4a16":
+        raise click.UsageError("--keep-embedding applies to w4a16 (w4a8 keeps a bf16 table already)")
+    params: dict = {}
+    if group_size:
+        params["group_size"] = group_size
+    if no_search:
+        params["search"] = False
+    if keep_embedding:
+        params["keep_embedding"] = True
+    return params
 
 
 def _serve_options(f):

@@ -1,0 +1,15 @@
+"""vLLM plugin entry point (group `vllm.general_plugins`, see pyproject.toml).
+
+vLLM calls `register()` in every process it starts (engine core, workers, API server),
+so what it registers exists wherever a model is built.  It must stay cheap and
+idempotent: importing a module twice is a no-op, and the op registration checks first.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Make spark-edge's quantization methods known to vLLM."""
+    # Imported for its side effect: registers the "cpu_int4" quantization config.  It is
+    # light on purpose; its layer methods and custom ops load when a model is built.
+    import spark_edge.quant.cpu_int4_method  # noqa: F401
