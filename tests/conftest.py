@@ -102,3 +102,18 @@ def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: 
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def w4a16_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`spark-edge serve --weight-path w4a16`: builds the default model's w4a16 checkpoint on first use.
+
+    It depends on bf16_server only to be started after it, never beside a cold compile of it.
+    """
+    log = tmp_path_factory.mktemp("logs") / "w4a16_server.log"
+    server = Server(["--weight-path", "w4a16"], spark_edge_home, log, api_key=SESSION_API_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -25,8 +25,12 @@ def _log(message: str) -> None:
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Requests per measurement (best kept).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results.json"), show_default=True)
 @click.option("--keep-cache", is_flag=True, help="Reuse compile caches from an earlier run (no cold start).")
-def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool) -> None:
+@click.option("--fidelity/--no-fidelity", default=True, show_default=True,
+              help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text.")
+def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool,
+          fidelity: bool) -> None:
     """Decode, prefill, load peak, settled RSS and time to ready, per weight path."""
+    from spark_edge.bench.fidelity import text_chunks
     from spark_edge.bench.runner import format_table, run_passes, summarize, write_json
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
@@ -45,7 +49,8 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
     for name in names:
         ckpt = build_checkpoint(model, name, checkpoint_dir(model_id(model), name), log=_log).out
         arms[name] = (ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"])
-    results = run_passes(arms, passes, home, log_dir, reps, (), _log)
+    windows = text_chunks(arms[names[0]][0]) if fidelity else None
+    results = run_passes(arms, passes, home, log_dir, reps, (), _log, windows)
     summary = summarize(results, baseline=names[0])
     summary["model"] = str(model or "default")
     write_json(summary, out)

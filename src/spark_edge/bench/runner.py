@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from spark_edge.bench.fidelity import top1_agreement
 from spark_edge.bench.server_arm import ArmResult, run_arm
 
 MiB = 1 << 20
@@ -26,14 +27,17 @@ def rotated(arms: list[str], pass_index: int) -> list[str]:
 
 
 def run_passes(arms: dict[str, tuple[Path, int]], passes: int, home: Path, log_dir: Path, reps: int,
-               serve_args: tuple[str, ...], log: Callable[[str], None]) -> dict[str, list[ArmResult]]:
+               serve_args: tuple[str, ...], log: Callable[[str], None],
+               fidelity_windows: list[list[int]] | None = None) -> dict[str, list[ArmResult]]:
+    """Fidelity (deterministic) is scored on each arm's first pass only."""
     results: dict[str, list[ArmResult]] = {tag: [] for tag in arms}
     for p in range(passes):
         for tag in rotated(list(arms), p):
             checkpoint, vocab = arms[tag]
             log(f"pass {p + 1}/{passes}: {tag}")
             try:
-                r = run_arm(tag, checkpoint, vocab, home, log_dir / f"{tag}.log", reps, serve_args)
+                r = run_arm(tag, checkpoint, vocab, home, log_dir / f"{tag}.log", reps, serve_args,
+                            fidelity_windows=fidelity_windows if p == 0 else None)
             except Exception as exc:  # a failed arm is a result too: record it, keep going
                 log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
                 r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", [str(exc)])
@@ -53,7 +57,15 @@ def summarize(results: dict[str, list[ArmResult]], baseline: str) -> dict:
     summary: dict = {"arms": {}, "baseline": baseline}
     for tag, runs in results.items():
         ok = [r for r in runs if not r.errors]
-        arm: dict = {"passes": len(runs), "failed": len(runs) - len(ok), "runs": [asdict(r) for r in runs]}
+        arm: dict = {"passes": len(runs), "failed": len(runs) - len(ok),
+                     "runs": [{k: v for k, v in asdict(r).items() if k != "top1"} for r in runs]}
+        scored = next((r for r in ok if r.top1), None)
+        if scored:
+            arm["perplexity"] = scored.perplexity
+            base_scored = next((r for r in results[baseline] if r.top1), None)
+            if base_scored:
+                arm["top1_agreement"] = top1_agreement(base_scored, scored)
+                arm["perplexity_ratio"] = scored.perplexity / base_scored.perplexity
         for metric, better in METRICS:
             values = [getattr(r, metric) for r in ok]
             if values:
@@ -93,6 +105,10 @@ def format_table(summary: dict) -> str:
             f"{cell('load_peak_bytes', MiB, '.0f'):>14} {cell('settled_bytes', MiB, '.0f'):>12} {ratio:>12.2f} "
             f"{arm['ready_s']['best']:>8.1f}   "
             f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x")
+    for tag, arm in summary["arms"].items():
+        if "perplexity" in arm:
+            lines.append(f"{tag:<10} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
+                         f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}")
     passes = max(a["passes"] for a in summary["arms"].values())
     if passes < 2:
         lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")

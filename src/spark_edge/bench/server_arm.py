@@ -21,6 +21,7 @@ from pathlib import Path
 
 import requests
 
+from spark_edge.bench.fidelity import score
 from spark_edge.metrics.process_tree import TreeRssSampler
 
 MiB = 1 << 20
@@ -37,7 +38,9 @@ class ArmResult:
     run_peak_bytes: int  # peak over the whole run, workloads included
     cache: str  # "cold" or "warm"
     metrics_scrape_s: float = 0.0  # best of 5 GETs of /metrics
+    perplexity: float = 0.0  # on the fidelity text, when scored
     errors: list[str] = field(default_factory=list)
+    top1: list[int] = field(default_factory=list, repr=False)  # teacher-forced top-1 tokens, when scored
 
 
 def _free_port() -> int:
@@ -100,7 +103,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
             serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            ready_timeout_s: float = 900) -> ArmResult:
+            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None) -> ArmResult:
     cache_root = home / "vllm-cache" / tag
     cache = "warm" if cache_root.exists() else "cold"
     port = _free_port()
@@ -125,8 +128,12 @@ def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, 
             t1 = min(client.complete(1, 1) for _ in range(reps))
             t128 = min(client.complete(1, 128) for _ in range(reps))
             scrape = min(_timed_get(f"{url}/metrics") for _ in range(5))
-            return ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, cache,
-                             scrape)
+            result = ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, cache,
+                               scrape)
+            if fidelity_windows:
+                scored = score(url, checkpoint.name, fidelity_windows)
+                result.perplexity, result.top1 = scored.perplexity, scored.top1
+            return result
         finally:
             sampler.stop()
             _stop(proc)

@@ -1,0 +1,51 @@
+"""The default model on the W4A16 cpu_int4 path, through the real engine, against bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import Server
+from spark_edge.bench.fidelity import score, text_chunks, top1_agreement
+from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.engine
+
+# Issue 3's target: perplexity within +10% of bf16 (the default model's weights sit on a
+# Q4_1 grid of 32, so w4a16 at group 32 can reach it; this says nothing of high-precision weights).
+MAX_PERPLEXITY_RATIO = 1.10
+
+
+def test_w4a16_completes_paris(w4a16_server: Server) -> None:
+    body = {"model": DEFAULT_MODEL_ID, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    reply = w4a16_server.post("/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    assert "Paris" in reply.json()["choices"][0]["text"]
+
+
+def test_w4a16_runs_through_cpu_int4(w4a16_server: Server) -> None:
+    log = w4a16_server.log_path.read_text(errors="replace")
+    assert "quantization=cpu_int4" in log
+    assert "weight path: w4a16" in log
+
+
+def test_w4a16_batched_requests_take_the_multi_row_path(w4a16_server: Server) -> None:
+    body = {"model": DEFAULT_MODEL_ID, "prompt": ["The capital of France is", "The capital of France is"],
+            "max_tokens": 6, "temperature": 0}
+    reply = w4a16_server.post("/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    texts = [c["text"] for c in reply.json()["choices"]]
+    assert len(texts) == 2 and all("Paris" in t for t in texts)
+
+
+def test_w4a16_perplexity_and_top1_against_bf16(bf16_server: Server, w4a16_server: Server,
+                                                bf16_checkpoint: Path) -> None:
+    windows = text_chunks(bf16_checkpoint)
+    ref = score(bf16_server.url, DEFAULT_MODEL_ID, windows, bf16_server.headers)
+    quant = score(w4a16_server.url, DEFAULT_MODEL_ID, windows, w4a16_server.headers)
+    ratio = quant.perplexity / ref.perplexity
+    agreement = top1_agreement(ref, quant)
+    print(f"perplexity bf16 {ref.perplexity:.3f}, w4a16 {quant.perplexity:.3f} (x{ratio:.3f}); "
+          f"top-1 agreement {agreement:.3f} over {len(ref.top1)} positions")
+    assert ratio <= MAX_PERPLEXITY_RATIO
