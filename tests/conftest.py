@@ -41,6 +41,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None,
                  api_key: str | None = None):
+        self.home = home
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.port = free_port()

@@ -49,3 +49,22 @@ def test_w4a16_perplexity_and_top1_against_bf16(bf16_server: Server, w4a16_serve
     print(f"perplexity bf16 {ref.perplexity:.3f}, w4a16 {quant.perplexity:.3f} (x{ratio:.3f}); "
           f"top-1 agreement {agreement:.3f} over {len(ref.top1)} positions")
     assert ratio <= MAX_PERPLEXITY_RATIO
+
+
+def test_plan_predicts_the_measured_w4a16_load_peak(w4a16_server: Server) -> None:
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from spark_edge.planning.memory_plan import make_plan
+    from spark_edge.planning.model_shape import ModelShape
+
+    text = w4a16_server.get("/metrics").text
+    m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    config_path = next(p for p in Path(w4a16_server.home).glob("checkpoints/*-w4a16/config.json"))
+    config = json.loads(config_path.read_text())
+    plan = make_plan(ModelShape.from_config(config), "w4a16", int(m["spark_edge_memory_limit_bytes"]), 2048, 4,
+                     config["quantization_config"]["group_size"])
+    measured = m["spark_edge_load_rss_anon_peak_bytes"]
+    print(f"w4a16 plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    assert abs(plan.load_peak_bytes - measured) / measured <= 0.15

@@ -42,7 +42,7 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
         raise click.UsageError(f"unknown weight paths {unknown} (known: {', '.join(weight_paths.NAMES)})")
     home = spark_edge_home() / "bench"
     if not keep_cache:
-        shutil.rmtree(home / "vllm-cache", ignore_errors=True)  # the first pass of every arm starts cold
+        shutil.rmtree(home / "arms", ignore_errors=True)  # the first pass of every arm starts cold
     log_dir = home / "logs" / time.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True)
     arms = {}

@@ -104,13 +104,13 @@ def _stop(proc: subprocess.Popen) -> None:
 def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
             serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
             ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None) -> ArmResult:
-    cache_root = home / "vllm-cache" / tag
-    cache = "warm" if cache_root.exists() else "cold"
+    arm_home = home / "arms" / tag  # its own data folder, hence its own compile cache
+    cache = "warm" if (arm_home / "vllm-cache").exists() else "cold"
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
            *serve_args]
-    full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), "VLLM_CACHE_ROOT": str(cache_root), **(env or {})}
+    full_env = {**os.environ, "SPARK_EDGE_HOME": str(arm_home), **(env or {})}
     full_env.pop("SPARK_EDGE_API_KEY", None)  # the bench talks to its own servers without a key
     with open(log_path, "ab") as log:
         start = time.monotonic()
