@@ -118,3 +118,16 @@ def w4a16_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: p
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def w4a8_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`spark-edge serve --weight-path w4a8`: vLLM's GPTQ path (the AMX W4A8 kernel where AMX is usable,
+    its W4A16 vector kernel elsewhere)."""
+    log = tmp_path_factory.mktemp("logs") / "w4a8_server.log"
+    server = Server(["--weight-path", "w4a8"], spark_edge_home, log, api_key=SESSION_API_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -39,16 +39,18 @@ def main() -> None:
 @click.option("--group-size", type=click.IntRange(8), default=None,
               help="4-bit paths: inputs per scale group (w4a16 default 32; w4a8 default the largest of "
                    "128/64/32 dividing every K).")
-@click.option("--no-search", is_flag=True, help="4-bit paths: plain min/max grid, no per-group scale search.")
+@click.option("--search/--no-search", default=None,
+              help="4-bit paths: per-group scale search (w4a16 default on; w4a8 default off: on the default "
+                   "model its squared-error search clips the values that matter most).")
 @click.option("--keep-embedding", is_flag=True, help="w4a16: keep the embedding / tied head in bf16.")
-def build(weight_path: str, model: Path | None, out: Path | None, group_size: int | None, no_search: bool,
+def build(weight_path: str, model: Path | None, out: Path | None, group_size: int | None, search: bool | None,
           keep_embedding: bool) -> None:
     """Build a servable Hugging Face checkpoint for one weight path."""
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
 
-    params = build_params(weight_path, group_size, no_search, keep_embedding)
+    params = build_params(weight_path, group_size, search, keep_embedding)
     target = out or checkpoint_dir(model_id(model), weight_path)
     try:
         result = build_checkpoint(model, weight_path, target, params, log=_log)
@@ -57,19 +59,19 @@ def build(weight_path: str, model: Path | None, out: Path | None, group_size: in
     click.echo(str(result.out))
 
 
-def build_params(weight_path: str, group_size: int | None, no_search: bool, keep_embedding: bool) -> dict:
+def build_params(weight_path: str, group_size: int | None, search: bool | None, keep_embedding: bool) -> dict:
     """Only the options a path understands, and only when given: defaults stay the writer's."""
     if weight_path == "bf16":
-        if group_size or no_search or keep_embedding:
-            raise click.UsageError("--group-size, --no-search and --keep-embedding apply to 4-bit paths")
+        if group_size or search is not None or keep_embedding:
+            raise click.UsageError("--group-size, --search/--no-search and --keep-embedding apply to 4-bit paths")
         return {}
     if keep_embedding and weight_path != "w4a16":
         raise click.UsageError("--keep-embedding applies to w4a16 (w4a8 keeps a bf16 table already)")
     params: dict = {}
     if group_size:
         params["group_size"] = group_size
-    if no_search:
-        params["search"] = False
+    if search is not None:
+        params["search"] = search
     if keep_embedding:
         params["keep_embedding"] = True
     return params

@@ -19,9 +19,21 @@ from typing import Any, Callable, Iterator
 
 from spark_edge import __version__
 from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
 from spark_edge.checkpoints.sources import open_source
 from spark_edge.weight_paths import writers
+
+
+def builder_code_fingerprint() -> str:
+    """A hash of the code that decides a checkpoint's bytes (converters, writers, quantizers).
+
+    Part of a build's recorded inputs: a changed default or quantizer rebuilds the checkpoint
+    instead of serving bytes the current code would not write.
+    """
+    root = Path(__file__).resolve().parent.parent
+    files = [p for d in ("checkpoints", "weight_paths", "quant") for p in (root / d).glob("*.py")]
+    return files_sha256(files, root)[:16]
 
 
 @dataclass
@@ -104,7 +116,7 @@ def build_checkpoint(
         "source": source.fingerprint(),
         "weight_path": weight_path,
         "params": params,
-        "tool": {"name": "spark-edge", "version": __version__},
+        "tool": {"name": "spark-edge", "version": __version__, "code": builder_code_fingerprint()},
     }
     with _exclusive(out):
         _remove_leftovers(out)

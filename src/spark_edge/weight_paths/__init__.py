@@ -18,8 +18,13 @@ WeightWriter = Callable[["CheckpointSource", Path, dict[str, Any]], dict[str, An
 def writers() -> dict[str, WeightWriter]:
     """Weight path name -> writer (imported lazily: quantizers pull in torch)."""
     from spark_edge.weight_paths.bf16 import write_bf16
+    from spark_edge.weight_paths.w4a8 import write_w4a8
+    from spark_edge.weight_paths.w4a16 import write_w4a16
 
-    return {"bf16": write_bf16}
+    return {"bf16": write_bf16, "w4a16": write_w4a16, "w4a8": write_w4a8}
 
 
-NAMES = ("bf16",)
+# bf16: the source's weights cast to bfloat16, unquantized.
+# w4a16: 4-bit group-wise weights, bf16 activations (vLLM quantization "cpu_int4").
+# w4a8: symmetric 4-bit GPTQ weights for vLLM's own CPU kernel (AMX W4A8; "gptq").
+NAMES = ("bf16", "w4a16", "w4a8")
