@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from spark_edge.metrics.process_tree import TreeRssSampler
-from spark_edge.metrics.prometheus import EVENTS_FILE, DecodeRate, ServerFacts, SparkEdgeCollector, read_events
+from spark_edge.metrics.prometheus import DecodeRate, ServerFacts, SparkEdgeCollector, read_events
+from spark_edge.runtime.compile_cache import EVENTS_FILE
 
 
 class _FakeItl:

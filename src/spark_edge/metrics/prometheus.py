@@ -9,7 +9,6 @@ folder (compile-cache hits and misses), so a scrape costs a few file reads.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
@@ -21,25 +20,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.runtime import compile_cache
 
-EVENTS_FILE = "events.jsonl"
 
 
 def read_events(run_dir: Path | None) -> list[dict]:
-    """Events appended by any process of the server; a torn last line is skipped."""
-    if run_dir is None:
-        return []
-    try:
-        lines = (run_dir / EVENTS_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    events = []
-    for line in lines:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
+    """Events appended by any process of the server (compile-cache hits and misses)."""
+    return [] if run_dir is None else compile_cache.read_events(run_dir)
 
 
 class DecodeRate:

@@ -26,6 +26,7 @@ from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
+from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root
 from spark_edge.serving.checkpoint import checkpoint_for_serving
 
 
@@ -166,8 +167,9 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
     group = int(config.get("quantization_config", {}).get("group_size", 32))
     ceiling = req.memory_limit or device.memory.ceiling
     plan = make_plan(ModelShape.from_config(config), path, ceiling, req.max_model_len, req.max_num_seqs, group)
+    # one cache root per weight path: its stamp names the path, so paths never evict each other
     return Prepared(device, choice, checkpoint, served_name, path, plan, _fresh_run_dir(),
-                    spark_edge_home() / "vllm-cache", phases, sampler)
+                    spark_edge_home() / "vllm-cache" / path, phases, sampler)
 
 
 def startup_summary(p: Prepared) -> str:
@@ -188,6 +190,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         # Through the environment, not argv: vLLM logs its non-default arguments.
         os.environ["VLLM_API_KEY"] = api_key
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
+    cache = prepare_cache_root(p.cache_root, cache_stamp(sorted(p.device.features), p.weight_path))
     import vllm  # only now: some of vLLM's settings are read from the environment at import
 
     from spark_edge.metrics.prometheus import ServerFacts, install
@@ -196,7 +199,8 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
                         vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
                         startup_seconds=p.phases.seconds)
     install(facts, p.sampler)
-    log(startup_summary(p) + (" | API key required on /v1" if api_key else ""))
+    log(startup_summary(p) + f" | compile cache: {p.cache_root} ({cache.reason})"
+        + (" | API key required on /v1" if api_key else ""))
     for note in p.choice.notes:
         log(f"note: {note}")
     engine_start = time.monotonic()
