@@ -433,3 +433,56 @@ def test_probe_on_this_host_agrees_with_the_kernel_and_torch() -> None:
         assert profile.amx_usable == torch.cpu._is_amx_tile_supported()
         expected = "w4a8" if profile.amx_usable and profile.has("amx_int8") else "w4a16"
         assert select_weight_path(profile).name == expected
+
+
+# -- a real cgroup, made here ------------------------------------------------------------------
+
+_CG = Path("/sys/fs/cgroup")
+
+
+def _make_real_cgroup(name: str, memory: int, quota_us: int, period_us: int) -> tuple[list[Path], list[str]]:
+    """Create a v1 (memory + cpu) or v2 cgroup with these limits; return its folders and the
+    shell lines that move a process into it. Skips where cgroupfs is not writable."""
+    if (_CG / "memory" / "memory.limit_in_bytes").exists() and (_CG / "cpu" / "cpu.cfs_quota_us").exists():
+        mem, cpu = _CG / "memory" / name, _CG / "cpu" / name
+        try:
+            mem.mkdir(exist_ok=True)
+            cpu.mkdir(exist_ok=True)
+            (mem / "memory.limit_in_bytes").write_text(str(memory))
+            (cpu / "cpu.cfs_period_us").write_text(str(period_us))
+            (cpu / "cpu.cfs_quota_us").write_text(str(quota_us))
+        except OSError as exc:
+            pytest.skip(f"cannot create a v1 cgroup here: {exc}")
+        return [mem, cpu], [f"echo $$ > {mem}/cgroup.procs", f"echo $$ > {cpu}/cgroup.procs"]
+    if (_CG / "cgroup.controllers").exists():
+        group = _CG / name
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "memory.max").write_text(str(memory))
+            (group / "cpu.max").write_text(f"{quota_us} {period_us}")
+        except OSError as exc:
+            pytest.skip(f"cannot create a v2 cgroup here: {exc}")
+        return [group], [f"echo $$ > {group}/cgroup.procs"]
+    pytest.skip("no cgroup v1 memory+cpu hierarchy or v2 unified hierarchy mounted")
+
+
+def test_probe_sees_a_real_cgroup_limit_and_quota() -> None:
+    import subprocess
+    import sys
+
+    folders, enter = _make_real_cgroup("spark-edge-probe-test", 2 << 30, 150000, 100000)
+    try:
+        script = "; ".join([*enter, f"exec {sys.executable} -m spark_edge.cli probe --json"])
+        result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        device = json.loads(result.stdout)["device"]
+        assert device["memory"]["cgroup_limit_bytes"] == 2 << 30
+        assert device["memory"]["ceiling_bytes"] <= 2 << 30
+        assert device["cpus"]["cgroup_quota"] == 1.5
+        assert device["cpus"]["usable_cores"] == 1
+    finally:
+        for folder in folders:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # still has a process for a moment; the kernel drops an empty cgroup later
