@@ -20,6 +20,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from engine_lock import flock_prefix
+
 from spark_edge.runtime import compile_cache, fixes, post_import
 from spark_edge.runtime.compile_cache import (
     HIT,
@@ -32,7 +34,6 @@ from spark_edge.runtime.compile_cache import (
 )
 from spark_edge.runtime.memory import ENV_RELEASE, release_free_memory, releasers
 
-ENGINE_LOCK = "/tmp/spark_edge_engine.lock"
 
 
 @pytest.fixture
@@ -551,7 +552,7 @@ def _engine_child(model: str) -> None:
 def _start_engine(model: Path, cache_root: Path, run: Path, log: Path) -> dict[str, Any]:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), compile_cache.ENV_RUN_DIR: str(run),
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    cmd = ["flock", ENGINE_LOCK, sys.executable, __file__, "--engine-child", str(model)]
+    cmd = [*flock_prefix(), sys.executable, __file__, "--engine-child", str(model)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1200).returncode
     text = log.read_text(errors="replace")
