@@ -163,6 +163,36 @@ def test_direct_dequant_is_bit_exact(n: int, k: int, g: int) -> None:
     assert torch.equal(tl.gather_kernel_rows(buf, sz, rows, g), reference[rows])
 
 
+@pytest.mark.parametrize("n,k,g", [(960, 576, 32), (576, 1536, 64), (80, 64, 32), (48, 256, 128), (49152, 576, 32)])
+def test_native_dequant_is_bit_exact_and_transposed(n: int, k: int, g: int) -> None:
+    from spark_edge.quant.native_dequant import dequantize_kernel_weight_t, native_kernel
+
+    if native_kernel() is None:
+        pytest.skip("no C compiler here: the torch path serves (covered above)")
+    packed, scale, zero = _random_checkpoint_form(n, k, g)
+    buf, sz = tl.pack_for_kernel(packed), tl.scales_and_zeros(scale, zero)
+    reference = q4.dequantize(q4.unpack_nibbles(packed), scale, zero, g).to(BF16)
+    weight_t = dequantize_kernel_weight_t(buf, sz, g)
+    assert weight_t.shape == (k, n) and weight_t.is_contiguous()
+    assert torch.equal(weight_t.t(), reference)
+
+
+def test_native_dequant_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.quant import native_dequant as nd
+
+    cc = nd._compiler()
+    here = nd._build_key(cc)
+    monkeypatch.setattr(nd, "_cpu_flags", lambda: "flags : fpu sse sse2")  # another CPU
+    assert nd._build_key(cc) != here  # a library built there is never loaded here
+    monkeypatch.setenv(nd.ENV_SWITCH, "0")
+    nd.native_kernel.cache_clear()
+    try:
+        assert nd.native_kernel() is None and nd.dequantize_kernel_weight_t(torch.zeros(64, 16, dtype=torch.uint8),
+                                                                           torch.zeros(1, 64, 2, dtype=BF16), 32) is None
+    finally:
+        nd.native_kernel.cache_clear()
+
+
 @pytest.mark.parametrize("n,chunk", [(2256, 512), (2256, 100), (4096 + 64, 2048), (80, 64), (48, 2048)])
 def test_chunked_packing_is_byte_identical(n: int, chunk: int) -> None:
     packed = torch.randint(0, 256, (n, 96), dtype=torch.uint8)
@@ -220,8 +250,9 @@ def test_only_single_rows_reach_tinygemm(ops: object, monkeypatch: pytest.Monkey
 
     _, buf, sz = _kernel_form(torch.randn(64, 64) * 0.05, 32)
     calls: list[int] = []
-    real = cpu_int4_op.dequantize_kernel_weight
-    monkeypatch.setattr(cpu_int4_op, "dequantize_kernel_weight", lambda *a: calls.append(1) or real(*a))
+    for name in ("dequantize_kernel_weight", "dequantize_kernel_weight_t"):  # torch path, C path
+        real = getattr(cpu_int4_op, name)
+        monkeypatch.setattr(cpu_int4_op, name, lambda *a, real=real: calls.append(1) or real(*a))
     for rows, dequantized in ((1, 0), (2, 1), (7, 2)):
         ops.cpu_int4_linear(torch.randn(rows, 64).to(BF16), buf, sz, 32, None, None, None)
         assert len(calls) == dequantized, rows

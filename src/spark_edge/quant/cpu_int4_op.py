@@ -9,7 +9,8 @@ reason (its gather is data-dependent and gains nothing from inductor).
 Kernel choice (DEQUANT_THRESHOLD = 2):
 - M == 1 (batch-1 decode): PyTorch's tinygemm `_weight_int4pack_mm_for_cpu`, which reads
   4.x bits per weight; decode is bandwidth bound, so this is the point of the path.
-- M >= 2: dequantize the weight to bf16 once per call and use F.linear (oneDNN).
+- M >= 2: dequantize the weight to bf16 once per call and use oneDNN's GEMM (the
+  dequantization in one C pass, native_dequant.py, where a compiler is present).
   Tinygemm dequantizes per activation row, so it is linear in M.  The threshold is 2,
   not the ~8 rows where it would stop winning on speed: on AMX hosts, tinygemm on a
   multi-row batch followed by vLLM's CPU attention in the same forward has been seen to
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch.library import Library
 
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
+from spark_edge.quant.native_dequant import dequantize_kernel_weight_t
 from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, gather_kernel_rows
 
 NAMESPACE = "spark_edge"
@@ -76,6 +78,10 @@ def cpu_int4_linear(
         return x.new_empty((0, weight.shape[0]))
     if m < DEQUANT_THRESHOLD:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size, scales_zeros)
+    if rm_packed is None:
+        weight_t = dequantize_kernel_weight_t(weight, scales_zeros, group_size)  # one C pass, or None
+        if weight_t is not None:
+            return torch.mm(x, weight_t)
     return F.linear(x, _weight_bf16(weight, scales_zeros, group_size, rm_packed, rm_scale, rm_zero))
 
 
