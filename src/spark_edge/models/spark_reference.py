@@ -1,0 +1,196 @@
+"""Spark-X2.5 in plain PyTorch: the whole sequence at once, no KV cache, no vLLM, to check the vLLM model against.
+
+Written from the architecture's description, independently of spark_edge.models.spark: it
+shares no code with it (not the layout helpers, not the gate op, not vLLM's layers), reads
+the checkpoint files itself, and computes in one dtype throughout (float64 by default, so
+it is exact for practical purposes; bfloat16 to see what bf16 rounding alone does).
+
+Per layer (x is the residual stream, positions 0..T-1):
+    h = rmsnorm(x) * w_in
+    q | k | v = h @ W_qkv^T          k, v: kv_heads heads, each shared by heads/kv_heads query heads
+    q, k rotated neox style on their first rotary_dim dims (theta and rotary_dim per layer type)
+    a = softmax(q k^T / sqrt(head_dim) + mask) v     mask: causal; sliding layers also drop keys
+                                                     more than window-1 positions back
+    a[:, head] *= sigmoid(h @ W_g^T)[:, head]        (silu if gate_attn_act_mode says so)
+    x = x + a @ W_out^T
+    h = rmsnorm(x) * w_post
+    x = x + (gelu_erf(h @ W_gate^T) * (h @ W_up^T)) @ W_down^T
+logits = (rmsnorm(x) * w_final) @ E^T      (E: the embedding, tied, or lm_head)
+
+Also reads the 4-bit checkpoints spark-edge writes, decoding them with its own few lines:
+cpu_int4 (w = (q - 8) * scale + zero, row-major nibbles, low nibble first) and symmetric
+GPTQ (w = (q - 8) * scale, codes packed 8 per int32 along K).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                tensors[name] = st.get_tensor(name)
+    if not tensors:
+        raise FileNotFoundError(f"{folder}: no *.safetensors")
+    return tensors
+
+
+def _cpu_int4_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+    packed = t[f"{prefix}.weight_packed"]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).double()
+    scale = t[f"{prefix}.weight_scale"].double().repeat_interleave(group, dim=1)
+    zero = t[f"{prefix}.weight_zero"].double().repeat_interleave(group, dim=1)
+    return (codes - 8) * scale + zero
+
+
+def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+    words = t[f"{prefix}.qweight"].to(torch.int64) & 0xFFFFFFFF  # [K/8, N]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    codes = ((words.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, words.shape[1])  # [K, N]
+    scale = t[f"{prefix}.scales"].double().repeat_interleave(group, dim=0)  # [K, N]
+    return ((codes.double() - 8) * scale).t()
+
+
+class _Weights:
+    """Full-precision tensors by checkpoint name, whatever format the checkpoint stores them in."""
+
+    def __init__(self, folder: Path, config: dict) -> None:
+        self.t = _read_tensors(folder)
+        q = config.get("quantization_config") or {}
+        self.method = q.get("quant_method")
+        self.group = int(q.get("group_size", 0))
+        if self.method not in (None, "cpu_int4", "gptq"):
+            raise ValueError(f"reference: unknown quant_method {self.method!r}")
+
+    def get(self, name: str) -> torch.Tensor:
+        """`name` is a weight's checkpoint name ending in .weight; quantized forms are decoded."""
+        if name in self.t:
+            return self.t[name].double()
+        prefix = name.removesuffix(".weight")
+        if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
+            return _cpu_int4_weight(self.t, prefix, self.group)
+        if self.method == "gptq" and f"{prefix}.qweight" in self.t:
+            return _gptq_weight(self.t, prefix, self.group)
+        raise KeyError(f"reference: no tensor for {name}")
+
+    def qkv(self, i: int) -> torch.Tensor:
+        fused = f"model.layers.{i}.self_attn.q_k_v_proj.weight"
+        try:
+            return self.get(fused)
+        except KeyError:  # the GPTQ export writes the three parts
+            parts = [self.get(f"model.layers.{i}.self_attn.{p}_proj.weight") for p in "qkv"]
+            return torch.cat(parts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int) -> torch.Tensor:
+    """Neox-style rotation of the first rotary_dim dims of x [T, heads, head_dim]; the rest pass through."""
+    half = rotary_dim // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def attention_mask(t: int, window: int | None) -> torch.Tensor:
+    """bool [T, T]: query i may read key j."""
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= (i - j) < window
+    return allowed
+
+
+class SparkReference:
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float64,
+                 window_override: int | None = -1) -> None:
+        """window_override: -1 keeps the config's window; None turns windows off (every layer full)."""
+        folder = Path(folder)
+        self.config = json.loads((folder / "config.json").read_text())
+        self.dtype = dtype
+        c = self.config
+        self.hidden = c["hidden_size"]
+        self.heads = c["num_attention_heads"]
+        self.kv_heads = c["num_key_value_heads"]
+        self.head_dim = c["head_dim"]
+        self.eps = c["rms_norm_eps"]
+        self.layer_types = c["layer_types"]
+        self.window = c.get("sliding_window") if window_override == -1 else window_override
+        self.gate_act = c.get("gate_attn_act_mode", "sigmoid")
+        w = _Weights(folder, c)
+        cast = lambda x: x.to(dtype)  # noqa: E731
+        self.embedding = cast(w.get("model.embedding.weight"))
+        tied = c.get("tie_word_embeddings", False)
+        self.head = self.embedding if tied else cast(w.get("lm_head.weight"))
+        self.final_norm = cast(w.get("model.norm.weight"))
+        self.layers = []
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}"
+            self.layers.append({
+                "in_norm": cast(w.get(f"{p}.input_layernorm.weight")),
+                "qkv": cast(w.qkv(i)),
+                "gate": cast(w.get(f"{p}.self_attn.g_proj.weight")),
+                "out": cast(w.get(f"{p}.self_attn.out_proj.weight")),
+                "post_norm": cast(w.get(f"{p}.post_attention_layernorm.weight")),
+                "mlp_gate": cast(w.get(f"{p}.mlp.gate_proj.weight")),
+                "mlp_up": cast(w.get(f"{p}.mlp.up_proj.weight")),
+                "mlp_down": cast(w.get(f"{p}.mlp.down_proj.weight")),
+            })
+
+    def _rope(self, layer_type: str) -> tuple[float, int]:
+        params = self.config["rope_parameters"][layer_type]
+        factor = params.get("partial_rotary_factor", 1.0)
+        return float(params.get("rope_theta", 10000.0)), int(self.head_dim * factor)
+
+    def _attention(self, layer: dict, h: torch.Tensor, positions: torch.Tensor, layer_type: str) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = h @ layer["qkv"].t()
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(t, self.kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(t, self.kv_heads, self.head_dim)
+        theta, rotary_dim = self._rope(layer_type)
+        q, k = rotate(q, positions, theta, rotary_dim), rotate(k, positions, theta, rotary_dim)
+        group = self.heads // self.kv_heads
+        k = k.repeat_interleave(group, dim=1)  # query head j reads KV head j // group
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
+        window = self.window if layer_type == "sliding_attention" else None
+        scores = scores.masked_fill(~attention_mask(t, window), float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)  # [T, heads, head_dim]
+        score = h @ layer["gate"].t()  # [T, heads]
+        gate = torch.sigmoid(score) if self.gate_act == "sigmoid" else torch.nn.functional.silu(score)
+        out = out * gate[:, :, None]
+        return out.reshape(t, q_size) @ layer["out"].t()
+
+    def _mlp(self, layer: dict, h: torch.Tensor) -> torch.Tensor:
+        gate = h @ layer["mlp_gate"].t()
+        gelu = 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2)))
+        return (gelu * (h @ layer["mlp_up"].t())) @ layer["mlp_down"].t()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[T, vocab] next-token logits after each prefix of token_ids."""
+        ids = torch.tensor(token_ids, dtype=torch.int64)
+        positions = torch.arange(len(token_ids))
+        x = self.embedding[ids]
+        for layer, layer_type in zip(self.layers, self.layer_types):
+            x = x + self._attention(layer, rms_norm(x, layer["in_norm"], self.eps), positions, layer_type)
+            x = x + self._mlp(layer, rms_norm(x, layer["post_norm"], self.eps))
+        return rms_norm(x, self.final_norm, self.eps) @ self.head.t()
+
+    def log_probs(self, token_ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(self.logits(token_ids).double(), dim=-1)
