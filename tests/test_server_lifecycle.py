@@ -1,0 +1,345 @@
+"""A server's life under a real memory cgroup (v1 or v2, made here): refused before loading when the
+limit is below what the plan needs; under a limit that fits only a shorter context, served with that
+context and saying so; SIGTERM lets in-flight streams finish, exits 0 and leaves no process behind; a
+restart is warm; a damaged compile cache is counted as a miss and rebuilt.
+
+One cgroup server is started three times (cold, warm, after damage), in the order of the tests;
+each test that needs the first server stopped stops it first, so each can also run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import requests
+
+from conftest import Server
+from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+from spark_edge.planning.memory_plan import MiB, PlanRefused, make_plan
+from spark_edge.planning.model_shape import ModelShape
+from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files
+
+pytestmark = pytest.mark.engine
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REQUESTED_CONTEXT = 8192  # the default model's full context: what a user would ask for
+MAX_NUM_SEQS = 4
+SHUTDOWN_TIMEOUT_S = 20
+KEY = "sk-lifecycle-7c1e9a-never-logged"
+GUARD_JSON = b'"allow_tf32":false,"autocast_state"'  # see test_cache_digests: one flipped quote aborts a load
+
+
+# --- a memory cgroup made here ---------------------------------------------------------------------
+
+@dataclass
+class MemoryCgroup:
+    folder: Path
+    version: int
+
+    @property
+    def enter(self) -> list[str]:
+        """An argv prefix that moves the command into this cgroup, then execs it."""
+        return ["sh", "-c", f'echo $$ > {self.folder}/cgroup.procs && exec "$@"', "sh"]
+
+    def _read(self, name: str) -> str:
+        return (self.folder / name).read_text()
+
+    def procs(self) -> list[int]:
+        return [int(p) for p in self._read("cgroup.procs").split()]
+
+    def peak_bytes(self) -> int:
+        return int(self._read("memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"))
+
+    def oom_kills(self) -> int:
+        text = self._read("memory.oom_control" if self.version == 1 else "memory.events")
+        return int(dict(line.split() for line in text.splitlines()).get("oom_kill", 0))
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.folder.rmdir()
+                return
+            except OSError:
+                time.sleep(0.2)  # a process leaving is still accounted for a moment
+
+
+def make_memory_cgroup(name: str, limit: int) -> MemoryCgroup:
+    v1 = CGROUP_ROOT / "memory"
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            folder = v1 / name
+            folder.mkdir(exist_ok=True)
+            (folder / "memory.limit_in_bytes").write_text(str(limit))
+            return MemoryCgroup(folder, 1)
+        if (CGROUP_ROOT / "cgroup.controllers").exists():
+            folder = CGROUP_ROOT / name
+            folder.mkdir(exist_ok=True)
+            (folder / "memory.max").write_text(str(limit))
+            (folder / "memory.swap.max").write_text("0")
+            return MemoryCgroup(folder, 2)
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup here: {exc}")
+    pytest.skip("no cgroup v1 memory hierarchy or v2 unified hierarchy mounted")
+
+
+# --- what the plan says, for the default model ----------------------------------------------------
+
+def plan_bands(shape: ModelShape) -> dict[object, tuple[int, int]]:
+    """Ceiling ranges [lo, hi) in bytes -> what the plan does there: a context, or "refused"."""
+    bands: dict[object, tuple[int, int]] = {}
+    for mib in range(1024, 4096, 4):
+        try:
+            outcome: object = make_plan(shape, "bf16", mib * MiB, REQUESTED_CONTEXT, MAX_NUM_SEQS).max_model_len
+        except PlanRefused:
+            outcome = "refused"
+        lo, _ = bands.get(outcome, (mib * MiB, 0))
+        bands[outcome] = (lo, (mib + 4) * MiB)
+    return bands
+
+
+@pytest.fixture(scope="module")
+def shape(bf16_checkpoint: Path) -> ModelShape:
+    return ModelShape.from_config(json.loads((bf16_checkpoint / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def reduced(shape: ModelShape) -> tuple[int, int]:
+    """(context, cgroup limit): the middle of the widest ceiling range where the plan serves a context
+    shorter than asked, so the few MiB the serving process holds at start never tip it over."""
+    bands = {ctx: band for ctx, band in plan_bands(shape).items() if ctx != "refused" and ctx < REQUESTED_CONTEXT}
+    context, (lo, hi) = max(bands.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    assert hi - lo >= 64 * MiB, bands
+    return int(context), (lo + hi) // 2
+
+
+# --- the server under the limit -------------------------------------------------------------------
+
+@dataclass
+class Limited:
+    cgroup: MemoryCgroup
+    home: Path
+    context: int
+    limit: int
+    logs: Path
+    key_file: Path
+    lives: list[Server] = field(default_factory=list)
+
+    def start(self, name: str) -> Server:
+        args = ["--weight-path", "bf16", "--max-model-len", str(REQUESTED_CONTEXT), "--max-num-seqs",
+                str(MAX_NUM_SEQS), "--api-key-file", str(self.key_file),
+                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        server = Server(args, self.home, self.logs / f"{name}.log", wrap=self.cgroup.enter)
+        server.api_key, server.headers = KEY, {"Authorization": f"Bearer {KEY}"}
+        self.lives.append(server)
+        server.wait_ready()
+        return server
+
+    def artifact(self) -> Path:
+        (artifact,) = (self.home / "vllm-cache" / "bf16").glob("torch_compile_cache/torch_aot_compile/*/rank_0_0/model")
+        return artifact
+
+
+@pytest.fixture(scope="module")
+def limited(bf16_checkpoint: Path, reduced: tuple[int, int],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+    home = tmp_path_factory.mktemp("lifecycle-home")
+    # the session's bf16 build, hard-linked where serve looks: checked against its manifest, not rebuilt
+    target = home / "checkpoints" / bf16_checkpoint.name
+    target.mkdir(parents=True)
+    for f in bf16_checkpoint.iterdir():
+        os.link(f, target / f.name)
+    key_file = home / "api-key"
+    key_file.write_text(KEY + "\n")
+    context, limit = reduced
+    cgroup = make_memory_cgroup(f"spark-edge-lifecycle-{os.getpid()}", limit)
+    state = Limited(cgroup, home, context, limit, tmp_path_factory.mktemp("lifecycle-logs"), key_file)
+    try:
+        yield state
+    finally:
+        for server in state.lives:
+            server.stop()
+        cgroup.remove()
+
+
+@pytest.fixture(scope="module")
+def first_life(limited: Limited) -> Server:
+    """The first start: a cold compile for the reduced context."""
+    return limited.start("first")
+
+
+def _stopped(server: Server) -> None:
+    assert server.stop() == 0, server.log_tail()
+
+
+def _scrape(server: Server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def _complete(server: Server, prompt: str, max_tokens: int = 8) -> requests.Response:
+    return server.post("/v1/completions", {"model": DEFAULT_MODEL_ID, "prompt": prompt, "max_tokens": max_tokens,
+                                           "temperature": 0})
+
+
+# --- refused ---------------------------------------------------------------------------------------
+
+def test_a_limit_below_the_plan_refuses_before_loading_with_exit_5(
+        bf16_checkpoint: Path, shape: ModelShape, tmp_path: Path) -> None:
+    lo, _ = plan_bands(shape)["refused"]
+    _, fits_from = min((band for ctx, band in plan_bands(shape).items() if ctx != "refused"), key=lambda b: b[0])
+    limit = (lo + fits_from) // 2  # well inside the range the plan refuses
+    cgroup = make_memory_cgroup(f"spark-edge-refuse-{os.getpid()}", limit)
+    try:
+        cmd = [*cgroup.enter, sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(bf16_checkpoint),
+               "--weight-path", "bf16", "--max-model-len", str(REQUESTED_CONTEXT), "--port", "1"]
+        env = {**os.environ, "SPARK_EDGE_HOME": str(tmp_path / "home")}
+        runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
+        for run in runs:  # a supervisor restarting it gets the same answer, never an OOM kill
+            assert run.returncode == 5, run.stderr[-3000:]
+            assert "does not fit" in run.stderr and f"cgroup limit {limit / MiB:.0f} MiB" in run.stderr
+            assert "needs a load peak of" in run.stderr and "the budget is" in run.stderr
+            assert "non-default args" not in run.stderr and "EngineCore" not in run.stderr  # vLLM never started
+        assert cgroup.oom_kills() == 0
+        assert cgroup.peak_bytes() < limit // 2, "nothing the size of a model was ever allocated"
+    finally:
+        cgroup.remove()
+
+
+# --- a shorter context ----------------------------------------------------------------------------
+
+def test_a_limit_that_fits_only_a_shorter_context_serves_it_and_says_so(
+        limited: Limited, first_life: Server, shape: ModelShape) -> None:
+    log = first_life.log_path.read_text(errors="replace")
+    assert (f"memory: serving a {limited.context}-token context, not the {REQUESTED_CONTEXT} asked for" in log), log
+    assert f"cgroup limit {limited.limit / MiB:.0f} MiB" in log
+    m = _scrape(first_life)
+    assert m["spark_edge_max_model_len_tokens"] == limited.context < REQUESTED_CONTEXT
+    assert m["spark_edge_requested_max_model_len_tokens"] == REQUESTED_CONTEXT
+    ceiling = int(m["spark_edge_memory_limit_bytes"])
+    assert ceiling <= limited.limit
+    assert make_plan(shape, "bf16", ceiling, REQUESTED_CONTEXT, MAX_NUM_SEQS).max_model_len == limited.context
+    model = first_life.get("/v1/models").json()["data"][0]
+    assert model["max_model_len"] == limited.context  # what vLLM itself enforces
+
+    too_long = _complete(first_life, "hello " * (limited.context + 64))
+    assert too_long.status_code == 400 and str(limited.context) in too_long.text
+    assert "Paris" in _complete(first_life, "The capital of France is").json()["choices"][0]["text"]
+    assert m["spark_edge_process_rss_anon_peak_bytes"] <= m["spark_edge_plan_load_peak_bytes"]
+    assert limited.cgroup.oom_kills() == 0 and limited.cgroup.peak_bytes() <= limited.limit
+    assert KEY not in log
+
+
+# --- SIGTERM -------------------------------------------------------------------------------------
+
+def _stream(server: Server, max_tokens: int, first_token: threading.Event, out: dict) -> None:
+    body = {"model": DEFAULT_MODEL_ID, "prompt": "Write a long story about a lighthouse keeper.",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out.update(tokens=0, done=False, finish=None, usage=None)
+    with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers, stream=True,
+                       timeout=300) as reply:
+        out["status"] = reply.status_code
+        for line in reply.iter_lines():
+            if line == b"data: [DONE]":
+                out["done"] = True
+            elif line.startswith(b"data: "):
+                chunk = json.loads(line[6:])
+                out["usage"] = chunk.get("usage") or out["usage"]
+                for choice in chunk.get("choices", []):
+                    out["tokens"] += 1
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+                    first_token.set()
+
+
+def _live_group_members(pgid: int) -> list[str]:
+    """Processes of the server's process group that are alive (zombies already exited)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(stat.parent.name)
+    return members
+
+
+def _eventually(check: Callable[[], list], timeout_s: float = 15) -> list:
+    deadline = time.monotonic() + timeout_s
+    while (left := check()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_sigterm_lets_in_flight_streams_finish_then_exits_0_leaving_no_process(
+        limited: Limited, first_life: Server) -> None:
+    streams = [({}, threading.Event()) for _ in range(2)]
+    threads = [threading.Thread(target=_stream, args=(first_life, 96, ev, out)) for out, ev in streams]
+    for t in threads:
+        t.start()
+    for _, first_token in streams:
+        assert first_token.wait(120), first_life.log_tail()
+    os.kill(first_life.proc.pid, signal.SIGTERM)  # as docker stop and Kubernetes do: the main process only
+    time.sleep(1)
+    late = _complete(first_life, "Too late?")  # during the drain: turned away, not vLLM's 500
+    assert late.status_code == 503 and "shutting down" in late.text, late.text
+    for t in threads:
+        t.join(SHUTDOWN_TIMEOUT_S + 60)
+    returncode = first_life.proc.wait(SHUTDOWN_TIMEOUT_S + 60)
+    for out, _ in streams:
+        assert out["status"] == 200 and out["done"], out
+        assert out["usage"]["completion_tokens"] == 96 and out["finish"] == "length", out
+    assert returncode == 0, first_life.log_tail()
+    log = first_life.log_path.read_text(errors="replace")
+    assert "draining in-flight requests count=2" in log
+    assert _eventually(limited.cgroup.procs) == []
+    assert _eventually(lambda: _live_group_members(first_life.proc.pid)) == []
+    _stopped(first_life)
+
+
+# --- restarts ------------------------------------------------------------------------------------
+
+def test_a_restart_resumes_warm(limited: Limited, first_life: Server) -> None:
+    _stopped(first_life)
+    second = limited.start("second")
+    m = _scrape(second)
+    assert m["spark_edge_compile_cache_hits_total"] >= 1 and m["spark_edge_compile_cache_misses_total"] == 0
+    assert m["spark_edge_max_model_len_tokens"] == limited.context  # the same plan, hence the same graph
+    assert "Directly load AOT compilation" in second.log_path.read_text(errors="replace")
+    assert "Paris" in _complete(second, "The capital of France is").json()["choices"][0]["text"]
+    _stopped(second)
+
+
+def test_a_damaged_compile_cache_is_counted_as_a_miss_and_rebuilt(limited: Limited, first_life: Server) -> None:
+    _stopped(first_life)
+    artifact = limited.artifact()
+    hash_dir = artifact.parent.parent
+    assert (hash_dir / DIGESTS_FILE).exists()  # sealed by the server that compiled it
+    data = artifact.read_bytes()
+    at = data.index(GUARD_JSON) + len(b'"allow_tf32":false,')
+    artifact.write_bytes(data[:at] + b"#" + data[at + 1:])  # loaded as is, this kills the engine at start
+    kernel = max(hash_dir.glob("inductor_cache/**/*.so"), key=lambda p: p.stat().st_size)
+    kernel.write_bytes(kernel.read_bytes()[: kernel.stat().st_size // 2])
+
+    third = limited.start("third")
+    m = _scrape(third)
+    assert m["spark_edge_compile_cache_misses_total"] >= 1 and m["spark_edge_compile_cache_hits_total"] == 0
+    log = third.log_path.read_text(errors="replace")
+    assert "does not match its digests" in log and kernel.name in log
+    assert "Paris" in _complete(third, "The capital of France is").json()["choices"][0]["text"]
+    assert artifact.read_bytes() != data[:at] + b"#" + data[at + 1:] and kernel.stat().st_size > 0
+    assert damaged_files(hash_dir) == []  # rebuilt and sealed again
+    _stopped(third)
