@@ -230,32 +230,54 @@ def test_kernel_m1_matches_dequantized_reference(ops: object, n: int, k: int, g:
 
 @pytest.mark.parametrize("n", [576, 80])
 def test_op_single_row_and_multi_row_paths_agree(ops: object, n: int) -> None:
-    k, g = 128, 32
+    from spark_edge.quant.cpu_int4_op import ROW_LOOP_MAX_ROWS
+
+    k, g, m = 128, 32, ROW_LOOP_MAX_ROWS + 3
     q, buf, sz = _kernel_form(torch.randn(n, k) * 0.05, g)
-    x = torch.randn(5, k).to(BF16)
+    x = torch.randn(m, k).to(BF16)
     multi = ops.cpu_int4_linear(x, buf, sz, g, None, None, None)  # dequant + oneDNN
-    single = torch.cat([ops.cpu_int4_linear(x[i : i + 1], buf, sz, g, None, None, None) for i in range(5)])  # tinygemm
-    assert multi.shape == single.shape == (5, n)
+    single = torch.cat([ops.cpu_int4_linear(x[i : i + 1], buf, sz, g, None, None, None) for i in range(m)])  # tinygemm
+    assert multi.shape == single.shape == (m, n)
     assert q4.snr_db(single.float(), multi.float()) > 40
+    # a few rows (batched decode) go through tinygemm one row at a time: the very same numbers
+    few = ops.cpu_int4_linear(x[:ROW_LOOP_MAX_ROWS], buf, sz, g, None, None, None)
+    assert torch.equal(few, single[:ROW_LOOP_MAX_ROWS])
     # the multi-row path from the row-major copy (direct_dequant off) computes the very same weight
     rowmajor = ops.cpu_int4_linear(x, buf, sz, g, q.packed, q.scale, q.zero)
     assert torch.equal(rowmajor, multi)
     assert ops.cpu_int4_linear(x[:0], buf, sz, g, None, None, None).shape == (0, n)
 
 
-def test_only_single_rows_reach_tinygemm(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """M >= 2 must take dequant + oneDNN (tinygemm on multi-row batches next to vLLM's CPU
-    attention has died with SIGILL on AMX hosts); M == 1 must not pay for a dequant."""
+def test_multi_row_results_do_not_depend_on_the_c_kernel(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.quant import native_dequant
+
+    if native_dequant.native_kernel() is None:
+        pytest.skip("no C compiler here: only the torch path exists")
+    _, buf, sz = _kernel_form(torch.randn(576, 1536) * 0.05, 32)
+    x = torch.randn(40, 1536).to(BF16)
+    with_c = ops.cpu_int4_linear(x, buf, sz, 32, None, None, None)
+    monkeypatch.setattr(native_dequant, "native_kernel", lambda: None)
+    assert torch.equal(ops.cpu_int4_linear(x, buf, sz, 32, None, None, None), with_c)
+
+
+def test_tinygemm_only_ever_sees_single_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tinygemm on multi-row batches next to vLLM's CPU attention has died with SIGILL on AMX hosts:
+    up to ROW_LOOP_MAX_ROWS rows it is called one row at a time, beyond that the weight is dequantized."""
     from spark_edge.quant import cpu_int4_op
 
     _, buf, sz = _kernel_form(torch.randn(64, 64) * 0.05, 32)
-    calls: list[int] = []
+    dequantized: list[int] = []
     for name in ("dequantize_kernel_weight", "dequantize_kernel_weight_t"):  # torch path, C path
         real = getattr(cpu_int4_op, name)
-        monkeypatch.setattr(cpu_int4_op, name, lambda *a, real=real: calls.append(1) or real(*a))
-    for rows, dequantized in ((1, 0), (2, 1), (7, 2)):
-        ops.cpu_int4_linear(torch.randn(rows, 64).to(BF16), buf, sz, 32, None, None, None)
-        assert len(calls) == dequantized, rows
+        monkeypatch.setattr(cpu_int4_op, name, lambda *a, real=real: dequantized.append(1) or real(*a))
+    tinygemm_rows: list[int] = []
+    monkeypatch.setattr(cpu_int4_op, "_tinygemm", lambda x, *a, real=cpu_int4_op._tinygemm:
+                        tinygemm_rows.append(x.shape[0]) or real(x, *a))
+    limit = cpu_int4_op.ROW_LOOP_MAX_ROWS
+    for rows, dequants in ((1, 0), (2, 0), (limit, 0), (limit + 1, 1), (64, 2)):
+        cpu_int4_op.cpu_int4_linear(torch.randn(rows, 64).to(BF16), buf, sz, 32, None, None, None)
+        assert len(dequantized) == dequants, rows
+    assert set(tinygemm_rows) == {1} and len(tinygemm_rows) == 1 + 2 + limit
 
 
 def test_embedding_op_both_sources_agree(ops: object) -> None:

@@ -6,15 +6,16 @@ graph; inside a custom op the compiled graph sees one call with a fake [M, N] re
 and the branch runs eagerly at call time.  The embedding lookup is opaque for the same
 reason (its gather is data-dependent and gains nothing from inductor).
 
-Kernel choice (DEQUANT_THRESHOLD = 2):
-- M == 1 (batch-1 decode): PyTorch's tinygemm `_weight_int4pack_mm_for_cpu`, which reads
-  4.x bits per weight; decode is bandwidth bound, so this is the point of the path.
-- M >= 2: dequantize the weight to bf16 once per call and use oneDNN's GEMM (the
+Kernel choice, by activation rows M:
+- M <= ROW_LOOP_MAX_ROWS (8; decode, batched decode of a few streams): PyTorch's tinygemm
+  `_weight_int4pack_mm_for_cpu`, one row per call.  It reads 4.x bits per weight; decode is
+  bandwidth bound, so this is the point of the path.  One row per call, never several: on
+  AMX hosts, tinygemm on a multi-row batch followed by vLLM's CPU attention in the same
+  forward has been seen to die with SIGILL in the attention kernel (AMX tile state); single
+  rows never trip it.  Tinygemm's cost is linear in M anyway, and up to 8 rows the loop
+  beats dequantizing (one core: the 49152-row head at M=4 6.8 ms vs 66 ms, gate_up 0.5 vs 1.3).
+- larger M (prefill): dequantize the weight to bf16 once per call and use oneDNN's GEMM (the
   dequantization in one C pass, native_dequant.py, where a compiler is present).
-  Tinygemm dequantizes per activation row, so it is linear in M.  The threshold is 2,
-  not the ~8 rows where it would stop winning on speed: on AMX hosts, tinygemm on a
-  multi-row batch followed by vLLM's CPU attention in the same forward has been seen to
-  die with SIGILL in the attention kernel (AMX tile state); single rows never trip it.
 
 Only bf16 activations are accepted: the fp32 entry of the tinygemm op has no vectorized
 path (tens of times slower), so a float32 model must fail clearly, not crawl.
@@ -28,7 +29,6 @@ which is why that switch is a config field (hashed into vLLM's compile-cache key
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.library import Library
 
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
@@ -36,7 +36,7 @@ from spark_edge.quant.native_dequant import dequantize_kernel_weight_t
 from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, gather_kernel_rows
 
 NAMESPACE = "spark_edge"
-DEQUANT_THRESHOLD = 2  # rows at which the GEMM switches from tinygemm to dequant + oneDNN
+ROW_LOOP_MAX_ROWS = 8  # up to this many rows: tinygemm one row at a time; more: dequant + oneDNN
 
 _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
@@ -62,6 +62,11 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
+def _tinygemm(row: torch.Tensor, weight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """One activation row through PyTorch's int4 kernel (only ever one: see the module docstring)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(row.contiguous(), weight, group_size, scales_zeros)
+
+
 def cpu_int4_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -76,13 +81,15 @@ def cpu_int4_linear(
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, weight.shape[0]))
-    if m < DEQUANT_THRESHOLD:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group_size, scales_zeros)
-    if rm_packed is None:
-        weight_t = dequantize_kernel_weight_t(weight, scales_zeros, group_size)  # one C pass, or None
-        if weight_t is not None:
-            return torch.mm(x, weight_t)
-    return F.linear(x, _weight_bf16(weight, scales_zeros, group_size, rm_packed, rm_scale, rm_zero))
+    if m == 1:  # batch-1 decode: the hot path, kept free of Python work
+        return _tinygemm(x, weight, group_size, scales_zeros)
+    if m <= ROW_LOOP_MAX_ROWS:
+        return torch.cat([_tinygemm(x[i : i + 1], weight, group_size, scales_zeros) for i in range(m)])
+    weight_t = dequantize_kernel_weight_t(weight, scales_zeros, group_size) if rm_packed is None else None
+    if weight_t is None:  # no C kernel, or a layer keeping its row-major copy: the same bf16 values via torch
+        weight_t = _weight_bf16(weight, scales_zeros, group_size, rm_packed, rm_scale, rm_zero).t().contiguous()
+    # one GEMM call shape (x @ contiguous W^T) whichever path made the weight, so results are bit-identical
+    return torch.mm(x, weight_t)
 
 
 def _cpu_int4_linear_fake(

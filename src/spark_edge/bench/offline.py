@@ -1,0 +1,79 @@
+"""The offline engine beside the server: vLLM's `LLM` in one process, and a profile of its decode step.
+
+Run as a child process (`python -m spark_edge.bench.offline CHECKPOINT VOCAB`), since vLLM's engine
+cannot be torn down cleanly inside the bench. It prints one JSON line: prefill (pp512) and decode
+(tg128 minus tg1) rates with the same semantics as the served arms, and the top ops of a
+profiled run of decode steps by self CPU time per step, which shows what surrounds the GEMMs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_PREFIX = "OFFLINE_RESULT "
+PROFILED_STEPS = 32
+TOP_OPS = 15
+
+
+def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _profile_decode(llm, prompt: list[int]) -> list[dict]:
+    """Self CPU time per decode step of the ops that cost most (the worker runs in this process)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _timed(llm, [prompt], PROFILED_STEPS + 1)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]
+    return [{"op": e.key, "calls_per_step": e.count / PROFILED_STEPS,
+             "self_ms_per_step": e.self_cpu_time_total / 1000 / PROFILED_STEPS} for e in rows]
+
+
+def run(checkpoint: str, vocab: int, reps: int) -> dict:
+    from vllm import LLM
+
+    rng = random.Random(1)
+    prompt = lambda n: [rng.randrange(256, vocab) for _ in range(n)]  # noqa: E731
+    start = time.perf_counter()
+    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
+              kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni")
+    ready_s = time.perf_counter() - start
+    _timed(llm, [prompt(8)], 8)  # warm-up
+    pp = min(_timed(llm, [prompt(512)], 1) for _ in range(reps))
+    t1 = min(_timed(llm, [prompt(1)], 1) for _ in range(reps))
+    t128 = min(_timed(llm, [prompt(1)], 128) for _ in range(reps))
+    return {"ready_s": ready_s, "pp512_tps": 512 / pp, "tg128_tps": 127 / (t128 - t1),
+            "profile_top_ops": _profile_decode(llm, prompt(1))}
+
+
+def run_offline(checkpoint: Path, vocab: int, reps: int, cache_root: Path, log_path: Path,
+                timeout_s: float = 1800) -> dict:
+    """The child process; raises with the log's tail if it fails."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(cache_root),
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [sys.executable, "-m", "spark_edge.bench.offline", str(checkpoint), str(vocab), str(reps)]
+    with open(log_path, "ab") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+    lines = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith(RESULT_PREFIX)]
+    if not lines:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"the offline engine run failed:\n{tail}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+if __name__ == "__main__":
+    result = run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -1,0 +1,30 @@
+"""Serve options that shape the vLLM process tree, and the bench's arm specs that compare them."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+from spark_edge.bench.command import parse_arm
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
+
+
+def test_default_layout_keeps_the_worker_in_the_engine_core() -> None:
+    assert DEFAULT_LAYOUT == "engine"
+    # vLLM's CPU platform turns "uni" into "mp" unless this is 0 (platforms/cpu.py, vLLM 0.32)
+    assert layout_env("engine") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert layout_args("engine") == ["--distributed-executor-backend", "uni"]
+    assert layout_args("split") == ["--distributed-executor-backend", "mp"]
+    with pytest.raises(ValueError, match="unknown process layout"):
+        layout_env("threads")
+
+
+def test_arm_specs() -> None:
+    assert parse_arm("w4a16") == ("w4a16", (), {})
+    assert parse_arm("w4a16@split") == ("w4a16", ("--process-layout", "split"), {})
+    assert parse_arm("bf16@engine+torch-dequant") == (
+        "bf16", ("--process-layout", "engine"), {"SPARK_EDGE_NATIVE_DEQUANT": "0"})
+    for bad, message in (("w5a16", "unknown weight path"), ("w4a16@threads", "unknown process layout"),
+                         ("w4a16+turbo", "unknown variant")):
+        with pytest.raises(click.UsageError, match=message):
+            parse_arm(bad)
