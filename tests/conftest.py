@@ -40,7 +40,8 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, wrap: list[str] | None = None):
+        """`wrap`: an argv prefix that execs the server (e.g. `sh -c 'echo $$ > cgroup.procs; exec "$@"' sh`)."""
         self.home = home
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -50,7 +51,7 @@ class Server:
         full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), **(env or {})}
         if api_key:
             full_env["SPARK_EDGE_API_KEY"] = api_key
-        cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--port", str(self.port), *args]
+        cmd = [*(wrap or []), sys.executable, "-m", "spark_edge.cli", "serve", "--port", str(self.port), *args]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)

@@ -64,13 +64,17 @@ def _scrape(server: Server) -> dict[str, float]:
     return samples
 
 
-def test_metrics_keep_vllm_series_and_add_ours(bf16_server: Server) -> None:
-    # a request first, so the decode rate has something to show
-    body = {"model": _model_name(bf16_server), "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
+@pytest.mark.parametrize("path", ["bf16", "w4a16"])
+def test_metrics_keep_vllm_series_and_add_ours(path: str, request: pytest.FixtureRequest) -> None:
+    server: Server = request.getfixturevalue(f"{path}_server")
+    # a completion and a chat request first, so the decode rate has something to show
+    body = {"model": _model_name(server), "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
             "ignore_eos": True}
-    assert bf16_server.post("/v1/completions", body).status_code == 200
+    assert server.post("/v1/completions", body).status_code == 200
+    chat = {"model": _model_name(server), "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]}
+    assert server.post("/v1/chat/completions", chat).status_code == 200
     time.sleep(2.5)  # the decode-rate sampler ticks every second
-    m = _scrape(bf16_server)
+    m = _scrape(server)
     assert any(k.startswith("vllm:num_requests_running") for k in m)
     assert any(k.startswith("vllm:generation_tokens_total") for k in m)
     current, peak = m["spark_edge_process_rss_anon_bytes"], m["spark_edge_process_rss_anon_peak_bytes"]
@@ -82,8 +86,8 @@ def test_metrics_keep_vllm_series_and_add_ours(bf16_server: Server) -> None:
         assert m[f"spark_edge_startup_seconds{{phase={phase}}}"] > 0
     assert m["spark_edge_startup_seconds{phase=ready}"] >= m["spark_edge_startup_seconds{phase=engine}"]
     info = [k for k in m if k.startswith("spark_edge_build_info")]
-    assert len(info) == 1 and "weight_path=bf16" in info[0] and "vllm_version=0.32.0" in info[0]
-    # the session starts from an empty data folder: nothing to load, so the graph was compiled
+    assert len(info) == 1 and f"weight_path={path}" in info[0] and "vllm_version=0.32.0" in info[0]
+    # each weight path has its own cache folder, empty at the session's first start of it: compiled
     assert m["spark_edge_compile_cache_misses_total"] >= 1
     assert m["spark_edge_compile_cache_hits_total"] == 0
 

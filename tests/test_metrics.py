@@ -49,7 +49,8 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path) ->
     events = [{"event": "compile_cache_miss"}, {"event": "compile_cache_hit"}, {"event": "compile_cache_hit"}]
     (tmp_path / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
     facts = ServerFacts("avx512", "w4a16", "0.1.0", "0.32.0", 8 << 30, tmp_path, {"probe": 0.01, "ready": 12.5},
-                        load_peak_bytes=300 << 20)
+                        load_peak_bytes=300 << 20, max_model_len=1024, requested_max_model_len=4096,
+                        plan_steady_bytes=1900 << 20, plan_load_peak_bytes=1950 << 20)
     sampler = TreeRssSampler(os.getpid(), interval_s=0.01).start()
     rate = DecodeRate(_FakeItl(), interval_s=0.01)
     time.sleep(0.05)
@@ -62,6 +63,10 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path) ->
     assert samples[("spark_edge_compile_cache_misses_total", ())] == 1
     assert samples[("spark_edge_memory_limit_bytes", ())] == 8 << 30
     assert samples[("spark_edge_load_rss_anon_peak_bytes", ())] == 300 << 20
+    assert samples[("spark_edge_max_model_len_tokens", ())] == 1024  # the plan reduced what was asked
+    assert samples[("spark_edge_requested_max_model_len_tokens", ())] == 4096
+    assert samples[("spark_edge_plan_steady_bytes", ())] == 1900 << 20
+    assert samples[("spark_edge_plan_load_peak_bytes", ())] == 1950 << 20
     assert samples[("spark_edge_process_rss_anon_peak_bytes", ())] >= samples[("spark_edge_process_rss_anon_bytes", ())] > 0
     assert samples[("spark_edge_startup_seconds", (("phase", "ready"),))] == 12.5
     info = (("isa", "avx512"), ("version", "0.1.0"), ("vllm_version", "0.32.0"), ("weight_path", "w4a16"))

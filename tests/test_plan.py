@@ -25,6 +25,8 @@ def test_kv_bytes_per_token() -> None:
     assert SMOLLM2.kv_bytes_per_token() == 30 * 3 * 64 * 2 * 2
     assert SPARK.kv_bytes_per_token() == 56 * 1024  # 56 KiB/token, as measured on vLLM's CPU backend
     assert kv_bytes_for(SMOLLM2, 1) == kv_bytes_for(SMOLLM2, 128)  # whole blocks
+    # one block more than the tokens fill: vLLM's block pool keeps one as its null block
+    assert kv_bytes_for(SMOLLM2, 4096) == (4096 // 128 + 1) * 128 * SMOLLM2.kv_bytes_per_token()
 
 
 def test_bf16_weight_bytes_match_the_built_checkpoint(bf16_checkpoint: Path) -> None:
@@ -72,3 +74,34 @@ def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> 
     assert out["fits"] is False and out["load_peak_bytes"] > out["budget_bytes"]
     ok = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16", "--json"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["fits"] is True
+
+
+# --- the ceiling a server plans under ---------------------------------------------------------------
+
+def _budget(limit: int | None, used: int | None, available: int = 20 << 30) -> "MemoryBudget":
+    from spark_edge.probe.memory import MemoryBudget
+
+    ceiling = available if limit is None else min(available, limit - (used or 0))
+    return MemoryBudget(24 << 30, available, limit, used, ceiling)
+
+
+def test_serving_ceiling_gives_back_what_the_serving_process_already_holds() -> None:
+    from spark_edge.planning.ceiling import serving_ceiling
+
+    # the cgroup holds 150 MiB, 140 MiB of it this process's own (it becomes the API server)
+    ceiling = serving_ceiling(_budget(2048 * MiB, 150 * MiB), own_anon=140 * MiB)
+    assert ceiling.bytes == (2048 - 10) * MiB
+    assert "cgroup limit 2048 MiB, 150 MiB of it in use, 140 MiB of that by this process" in ceiling.describe()
+    # never more than the cgroup counts as used, whatever the process reports
+    assert serving_ceiling(_budget(2048 * MiB, 100 * MiB), own_anon=900 * MiB).bytes == 2048 * MiB
+    # and never more than the host has
+    assert serving_ceiling(_budget(8 << 30, 0, available=1 << 30), own_anon=0).bytes == 1 << 30
+
+
+def test_serving_ceiling_on_the_host_and_from_the_command_line() -> None:
+    from spark_edge.planning.ceiling import serving_ceiling
+
+    host = serving_ceiling(_budget(None, None, available=10 << 30), own_anon=200 * MiB)
+    assert host.bytes == (10 << 30) + 200 * MiB and "host memory available" in host.source
+    explicit = serving_ceiling(_budget(2048 * MiB, 150 * MiB), explicit=3 << 30, own_anon=140 * MiB)
+    assert (explicit.bytes, explicit.source) == (3 << 30, "--memory-limit")

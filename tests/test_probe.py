@@ -204,7 +204,7 @@ def test_hosts_without_limits_use_affinity_and_host_memory(tmp_path: Path) -> No
     mem = profile.memory
     assert (mem.host_total, mem.host_available) == (15974440 * 1024, 15102388 * 1024)
     assert mem.cgroup_limit is None  # memory.max "max"
-    assert mem.cgroup_used == 125829120 - 62914560  # memory.current - inactive_file
+    assert mem.cgroup_used == 125829120 - (62914560 + 15728640 - 7864320)  # current - unmapped file cache
     assert mem.ceiling == mem.host_available
 
 
@@ -212,7 +212,7 @@ def test_cgroup_v1_host_with_unlimited_memory(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "haswell"), machine="x86_64")
     assert profile.cpus.cgroup_quota is None  # cfs_quota_us -1
     assert profile.memory.cgroup_limit is None  # 9223372036854771712 is v1's "no limit"
-    assert profile.memory.cgroup_used == 283115520 - 145752064
+    assert profile.memory.cgroup_used == 283115520 - (145752064 + 61865984 - 31850496)
     assert profile.memory.ceiling == 7050812 * 1024
 
 
@@ -222,8 +222,9 @@ def test_container_cgroup_v2_with_2gib_and_one_and_a_half_cpus(tmp_path: Path) -
     assert profile.cpus.usable_cores == 1  # floor: one unthrottled thread, see cpus.py
     mem = profile.memory
     assert mem.cgroup_limit == 2 * GIB
-    assert mem.cgroup_used == 200 * MIB  # 700 MiB current, 500 MiB of it inactive page cache
-    assert mem.ceiling == 2 * GIB - 200 * MIB
+    # 700 MiB current: 500 MiB inactive and 125 MiB active page cache, 62.5 MiB of it mapped
+    assert mem.cgroup_used == 700 * MIB - (500 * MIB + 125 * MIB - 62.5 * MIB)
+    assert mem.ceiling == 2 * GIB - mem.cgroup_used
     assert mem.host_available > mem.ceiling
 
 
@@ -234,6 +235,7 @@ def test_container_cgroup_v1_with_2gib_and_one_and_a_half_cpus(tmp_path: Path) -
     mem = profile.memory
     assert mem.cgroup_limit == 2 * GIB
     # usage 900 MiB minus total_inactive_file 600 MiB (not the cgroup's own inactive_file, 100 MiB)
+    # and total_active_file 20 MiB, all of it mapped
     assert mem.cgroup_used == 300 * MIB
     assert mem.ceiling == 2 * GIB - 300 * MIB
 

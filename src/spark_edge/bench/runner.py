@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,18 +26,26 @@ def rotated(arms: list[str], pass_index: int) -> list[str]:
     return arms[k:] + arms[:k]
 
 
-def run_passes(arms: dict[str, tuple[Path, int]], passes: int, home: Path, log_dir: Path, reps: int,
-               serve_args: tuple[str, ...], log: Callable[[str], None],
-               fidelity_windows: list[list[int]] | None = None) -> dict[str, list[ArmResult]]:
+@dataclass(frozen=True)
+class Arm:
+    checkpoint: Path
+    vocab: int
+    serve_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, reps: int,
+               log: Callable[[str], None],
+               fidelity_windows: list[list[int]] | None = None, served: bool = False) -> dict[str, list[ArmResult]]:
     """Fidelity (deterministic) is scored on each arm's first pass only."""
     results: dict[str, list[ArmResult]] = {tag: [] for tag in arms}
     for p in range(passes):
         for tag in rotated(list(arms), p):
-            checkpoint, vocab = arms[tag]
+            arm = arms[tag]
             log(f"pass {p + 1}/{passes}: {tag}")
             try:
-                r = run_arm(tag, checkpoint, vocab, home, log_dir / f"{tag}.log", reps, serve_args,
-                            fidelity_windows=fidelity_windows if p == 0 else None)
+                r = run_arm(tag, arm.checkpoint, arm.vocab, home, log_dir / f"{tag}.log", reps, arm.serve_args,
+                            arm.env, fidelity_windows=fidelity_windows if p == 0 else None, served=served)
             except Exception as exc:  # a failed arm is a result too: record it, keep going
                 log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
                 r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", [str(exc)])
@@ -45,8 +53,16 @@ def run_passes(arms: dict[str, tuple[Path, int]], passes: int, home: Path, log_d
                 log(f"  ready {r.ready_s:.1f} s ({r.cache}), tg128 {r.tg128_tps:.1f} tok/s, "
                     f"pp512 {r.pp512_tps:.0f} tok/s, load peak {r.load_peak_bytes / MiB:.0f} MiB, "
                     f"settled {r.settled_bytes / MiB:.0f} MiB")
+                if r.served:
+                    log("  streamed: " + served_line(r.served))
             results[tag].append(r)
     return results
+
+
+def served_line(served: dict) -> str:
+    levels = ", ".join(f"{c['streams']}x {c['aggregate_tps']:.1f} tok/s (ttft p50 {1000 * c['ttft_p50_s']:.0f} ms)"
+                       for c in served["concurrency"])
+    return f"tg128 {served['tg128_tps']:.1f} tok/s, pp512 {served['pp512_tps']:.0f} tok/s; aggregate {levels}"
 
 
 def _best(values: list[float], better: str) -> float:
@@ -109,11 +125,37 @@ def format_table(summary: dict) -> str:
         if "perplexity" in arm:
             lines.append(f"{tag:<10} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
                          f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}")
+    lines.extend(_served_lines(summary))
     passes = max(a["passes"] for a in summary["arms"].values())
     if passes < 2:
         lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")
     lines.append("± is (max - min) / best over passes; a ratio inside the spread is not a ranking")
     return "\n".join(lines)
+
+
+def _peer_ratio(summary: dict, metric: str, value: float) -> str:
+    peer = summary.get("peer", {}).get(metric)
+    return f" ({value / peer:.2f}x peer)" if peer else ""
+
+
+def _served_lines(summary: dict) -> list[str]:
+    lines = []
+    for tag, arm in summary["arms"].items():
+        served = [r["served"] for r in arm["runs"] if r.get("served")]
+        if served:
+            best = max(served, key=lambda s: s["tg128_tps"])
+            lines.append(f"{tag:<10} streamed {served_line(best)}"
+                         f"{_peer_ratio(summary, 'tg128_tps', best['tg128_tps'])}")
+    for path, off in summary.get("offline", {}).items():
+        if "error" in off:
+            lines.append(f"offline {path}: failed: {off['error'].splitlines()[0]}")
+            continue
+        lines.append(f"offline {path} (vLLM LLM, one process): tg128 {off['tg128_tps']:.1f} tok/s"
+                     f"{_peer_ratio(summary, 'tg128_tps', off['tg128_tps'])}, pp512 {off['pp512_tps']:.0f} tok/s"
+                     f"{_peer_ratio(summary, 'pp512_tps', off['pp512_tps'])}; decode step, top ops by self time:")
+        lines.extend(f"    {op['self_ms_per_step']:7.3f} ms/step {op['calls_per_step']:6.1f} calls  {op['op'][:60]}"
+                     for op in off["profile_top_ops"][:10])
+    return lines
 
 
 def write_json(summary: dict, path: Path) -> None:

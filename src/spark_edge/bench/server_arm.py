@@ -22,6 +22,7 @@ from pathlib import Path
 import requests
 
 from spark_edge.bench.fidelity import score
+from spark_edge.bench.streams import concurrent_streams, random_prompt, stream_completion
 from spark_edge.metrics.process_tree import TreeRssSampler
 
 MiB = 1 << 20
@@ -40,6 +41,7 @@ class ArmResult:
     metrics_scrape_s: float = 0.0  # best of 5 GETs of /metrics
     perplexity: float = 0.0  # on the fidelity text, when scored
     errors: list[str] = field(default_factory=list)
+    served: dict = field(default_factory=dict)  # --served: streamed figures and concurrency
     top1: list[int] = field(default_factory=list, repr=False)  # teacher-forced top-1 tokens, when scored
 
 
@@ -55,8 +57,7 @@ class _Client:
         self.rng = random.Random(seed)
 
     def _prompt(self, n: int) -> list[int]:
-        # stay clear of the special tokens at the start of the vocabulary
-        return [self.rng.randrange(256, self.vocab) for _ in range(n)]
+        return random_prompt(self.rng, self.vocab, n)
 
     def complete(self, n_prompt: int, n_gen: int) -> float:
         body = {"model": self.model, "prompt": self._prompt(n_prompt), "max_tokens": n_gen, "temperature": 0,
@@ -101,9 +102,22 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+CONCURRENCY = (1, 4, 8)
+
+
+def measure_streamed(url: str, model: str, vocab: int, seed: int, reps: int) -> dict:
+    """What an API client sees: streamed pp512 (time to first token) and tg128, then 1/4/8 streams at once."""
+    rng = random.Random(seed)
+    pp = min(stream_completion(url, model, random_prompt(rng, vocab, 512), 1).ttft_s for _ in range(reps))
+    tg = max(stream_completion(url, model, random_prompt(rng, vocab, 1), 128).decode_tps for _ in range(reps))
+    levels = [concurrent_streams(url, model, vocab, n, 32, 64, seed + n) for n in CONCURRENCY]
+    return {"pp512_tps": 512 / pp, "tg128_tps": tg, "concurrency": levels}
+
+
 def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
             serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None) -> ArmResult:
+            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
+            served: bool = False) -> ArmResult:
     arm_home = home / "arms" / tag  # its own data folder, hence its own compile cache
     cache = "warm" if (arm_home / "vllm-cache").exists() else "cold"
     port = _free_port()
@@ -130,6 +144,8 @@ def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, 
             scrape = min(_timed_get(f"{url}/metrics") for _ in range(5))
             result = ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, cache,
                                scrape)
+            if served:
+                result.served = measure_streamed(url, checkpoint.name, vocab, zlib.crc32(tag.encode()), reps)
             if fidelity_windows:
                 scored = score(url, checkpoint.name, fidelity_windows)
                 result.perplexity, result.top1 = scored.perplexity, scored.top1

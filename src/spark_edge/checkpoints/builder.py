@@ -33,6 +33,7 @@ def builder_code_fingerprint() -> str:
     """
     root = Path(__file__).resolve().parent.parent
     files = [p for d in ("checkpoints", "weight_paths", "quant") for p in (root / d).glob("*.py")]
+    files.append(root / "models" / "spark_layout.py")  # the Spark tensor names the writers follow
     return files_sha256(files, root)[:16]
 
 

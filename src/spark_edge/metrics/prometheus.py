@@ -94,6 +94,12 @@ class ServerFacts:
     run_dir: Path | None = None
     startup_seconds: dict[str, float] = field(default_factory=dict)
     load_peak_bytes: int = 0
+    # from the memory plan: the context served (reduced below the one asked for when only a
+    # shorter one fits under the ceiling) and the anonymous RSS it predicts
+    max_model_len: int = 0
+    requested_max_model_len: int = 0
+    plan_steady_bytes: int = 0
+    plan_load_peak_bytes: int = 0
 
 
 class SparkEdgeCollector(Collector):
@@ -129,6 +135,16 @@ class SparkEdgeCollector(Collector):
         yield self._gauge("spark_edge_load_rss_anon_peak_bytes",
                           "Peak anonymous RSS of the process tree during model load and warm-up", f.load_peak_bytes)
         yield self._gauge("spark_edge_memory_limit_bytes", "The memory ceiling the plan used", f.memory_limit_bytes)
+        yield self._gauge("spark_edge_plan_steady_bytes",
+                          "Anonymous RSS the memory plan predicts for the process tree once loaded", f.plan_steady_bytes)
+        yield self._gauge("spark_edge_plan_load_peak_bytes",
+                          "Anonymous RSS the memory plan predicts for the process tree at its load peak",
+                          f.plan_load_peak_bytes)
+        yield self._gauge("spark_edge_max_model_len_tokens",
+                          "Longest prompt plus completion this server accepts (below the requested one when the "
+                          "memory plan reduced it to fit)", f.max_model_len)
+        yield self._gauge("spark_edge_requested_max_model_len_tokens",
+                          "The --max-model-len asked for", f.requested_max_model_len)
 
     @staticmethod
     def _compile_cache(events: list[dict]) -> Iterable[CounterMetricFamily]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from spark_edge import exit_codes, weight_paths
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 
 def model_config(model: Path | None) -> dict:
@@ -32,9 +33,11 @@ def quant_group(config: dict, default: int = 32) -> int:
 @click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--memory-limit", type=click.IntRange(1), default=None,
               help="Ceiling in bytes (default: the probe's: host available memory or the cgroup limit).")
+@click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
+              help="As `spark-edge serve --process-layout`: vLLM's worker process costs its own runtime baseline.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_num_seqs: int,
-         memory_limit: int | None, as_json: bool) -> None:
+         memory_limit: int | None, process_layout: str, as_json: bool) -> None:
     """Predict load peak and steady anonymous RSS, and the context that fits."""
     from spark_edge.checkpoints.errors import CheckpointError
     from spark_edge.planning.memory_plan import PlanRefused, make_plan
@@ -56,7 +59,7 @@ def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_nu
     ceiling = memory_limit or device.memory.ceiling
     shape = ModelShape.from_config(config)
     try:
-        result = make_plan(shape, path, ceiling, max_model_len, max_num_seqs, quant_group(config))
+        result = make_plan(shape, path, ceiling, max_model_len, max_num_seqs, quant_group(config), process_layout)
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))

@@ -3,8 +3,8 @@
     steady    = runtime baseline + weights + KV cache + activations
     load peak = steady + load transient
 
-Every term is anonymous RSS summed over vLLM's processes (API server, engine core,
-worker), the figure a cgroup limit counts.  The constants below are calibrated by
+Every term is anonymous RSS summed over vLLM's processes (API server, engine core and,
+in vLLM's own layout, a worker), the figure a cgroup limit counts.  The constants below are calibrated by
 measurement; docs/memory-plan.md says how, and `spark-edge bench` re-measures them.
 
 The plan picks the KV cache and context under `ceiling - headroom`: first it shrinks
@@ -22,9 +22,12 @@ from spark_edge.planning.weight_bytes import weight_bytes
 MiB = 1 << 20
 
 # Calibrated on this machine (vLLM 0.32, torch 2.13, SmolLM2-135M), see docs/memory-plan.md.
-# Anonymous RSS of the API server, engine core and worker with weights, KV cache and
-# activations subtracted (imports, oneDNN/OpenMP pools, the compiled graph, allocator slack).
-RUNTIME_BASELINE_BYTES = 1600 * MiB
+# Anonymous RSS of vLLM's processes with weights, KV cache and activations subtracted (imports,
+# oneDNN/OpenMP pools, the compiled graph, allocator slack), per process layout
+# (serving/process_layout.py): "split" runs API server, engine core and worker; "engine" has
+# no worker process of its own, which measured ~400 MiB less settled (1306-1442 vs 1696-1841 MiB
+# on w4a16, side by side in one bench run).
+RUNTIME_BASELINE_BYTES = {"engine": 1200 * MiB, "split": 1600 * MiB}
 # Resident weights per checkpoint byte: on bf16, vLLM's CPU linear keeps a oneDNN-packed
 # copy beside part of the weights (bf16 and w4a16 settled 319 MiB apart for 177 MiB of
 # checkpoint difference); the 4-bit paths keep one buffer per weight.
@@ -40,6 +43,9 @@ HEADROOM_FRACTION = 0.10
 MIN_HEADROOM_BYTES = 128 * MiB
 MIN_CONTEXT = 256
 KV_BLOCK_TOKENS = 128  # vLLM allocates the CPU KV cache in whole blocks
+# vLLM's max_num_batched_tokens for its API server on CPU (chunked prefill, whatever the context):
+# the most tokens in flight, which sliding-window layers hold beside their window
+SERVER_BATCHED_TOKENS = 2048
 
 
 class PlanRefused(Exception):
@@ -111,22 +117,26 @@ def activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seq
     return max_num_batched_tokens * per_token + 2 * 4 * max_num_seqs * shape.vocab
 
 
-def kv_bytes_for(shape: ModelShape, tokens: int) -> int:
-    blocks = -(-tokens // KV_BLOCK_TOKENS)
-    return blocks * KV_BLOCK_TOKENS * shape.kv_bytes_per_token()
+def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens: int = SERVER_BATCHED_TOKENS) -> int:
+    """KV cache for `seqs` sequences of `tokens` tokens: whole blocks, plus the one vLLM's block pool
+    keeps as its null block (without it, a KV sized for one full-length sequence is refused at start:
+    "estimated maximum model length is 3968" for 4096). Sliding-window layers are charged only their
+    window plus the tokens in flight (ModelShape.kv_cache_bytes); CPU vLLM has one batch in flight
+    (no async scheduling there), of up to max_num_batched_tokens."""
+    return shape.kv_cache_bytes(tokens, seqs, in_flight_tokens, KV_BLOCK_TOKENS)
 
 
 def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
-          requested: int, max_num_seqs: int) -> MemoryPlan:
+          requested: int, max_num_seqs: int, layout: str) -> MemoryPlan:
     weights = int(RESIDENT_WEIGHT_FACTOR[weight_path] * weight_bytes(shape, weight_path, group))
     batched = max(context, 2048)  # vLLM's chunked prefill batches up to max(context, 2048) tokens
     return MemoryPlan(
         weight_path=weight_path,
         ceiling_bytes=ceiling,
         headroom_bytes=max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * ceiling)),
-        baseline_bytes=RUNTIME_BASELINE_BYTES,
+        baseline_bytes=RUNTIME_BASELINE_BYTES[layout],
         weights_bytes=weights,
-        kv_bytes=kv_bytes_for(shape, kv_tokens),
+        kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, SERVER_BATCHED_TOKENS),
         kv_tokens=kv_tokens,
         activation_bytes=activation_bytes(shape, batched, max_num_seqs),
         load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(LOAD_TRANSIENT_WEIGHT_FRACTION[weight_path] * weights),
@@ -137,14 +147,14 @@ def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context
 
 
 def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model_len: int,
-              max_num_seqs: int = 4, group: int = 32) -> MemoryPlan:
+              max_num_seqs: int = 4, group: int = 32, layout: str = "engine") -> MemoryPlan:
     """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused."""
     context = max_model_len
     while True:
         # KV for every sequence at full length, down to one full-length sequence
         for seqs in range(max_num_seqs, 0, -1):
             plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
-                         max_num_seqs)
+                         max_num_seqs, layout)
             if plan.fits:
                 return plan
         if context <= MIN_CONTEXT:

@@ -1,9 +1,12 @@
 """How much memory spark-edge may still take: the host's and the cgroup's view, whichever is tighter.
 
 The cgroup's own usage counts page cache, which the kernel reclaims before it kills anything,
-so "used" here is usage minus inactive file pages (v2: memory.current - inactive_file, v1:
-memory.usage_in_bytes - total_inactive_file). Counting cache as used makes a container that just
-read a 3 GB checkpoint look full when it is not.
+so "used" here is usage minus the file pages no process maps (v2: memory.current - (inactive_file +
+active_file - file_mapped), v1: memory.usage_in_bytes - (total_inactive_file + total_active_file -
+total_mapped_file)). Counting cache as used makes a container that just read a 3 GB checkpoint look
+full when it is not; and cache stays charged to a cgroup after its processes exit, so a server
+restarted in the same container would find the ceiling its first life fitted under shrunk by the
+checkpoint it read (active, having been read twice: at the manifest check and at load).
 
 ceiling = min(host MemAvailable, cgroup limit - cgroup used), taking the tightest limit over the
 process's cgroup and its ancestors.
@@ -73,17 +76,18 @@ def _level(where: CgroupDirs, folder: Path) -> _CgroupLevel:
     if where.version == 2:
         limit = _read_int(folder, "memory.max")  # "max" reads as None
         usage = _read_int(folder, "memory.current")
-        inactive_key = "inactive_file"
+        keys = ("inactive_file", "active_file", "file_mapped")
     else:
         limit = _read_int(folder, "memory.limit_in_bytes")
         if limit is not None and limit >= V1_UNLIMITED:
             limit = None
         usage = _read_int(folder, "memory.usage_in_bytes")
         # total_* includes child cgroups, as usage_in_bytes does.
-        inactive_key = "total_inactive_file"
+        keys = ("total_inactive_file", "total_active_file", "total_mapped_file")
     stat = parse_flat_keyed(read_text(folder, "memory.stat") or "")
-    inactive = stat.get(inactive_key, stat.get("inactive_file", 0))
-    used = max(0, usage - inactive) if usage is not None else None
+    inactive, active, mapped = (stat.get(key, stat.get(key.removeprefix("total_"), 0)) for key in keys)
+    reclaimable = max(0, inactive + active - mapped)  # clean file cache nobody maps
+    used = max(0, usage - reclaimable) if usage is not None else None
     return _CgroupLevel(limit, used)
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from spark_edge.runtime import compile_cache
+from spark_edge.runtime import cache_digests, compile_cache
 from spark_edge.runtime.memory import release_free_memory
 from spark_edge.runtime.post_import import when_imported
+from spark_edge.serving.draining import begin_draining
 
 _LOG = logging.getLogger("vllm.spark_edge.fixes")
 
@@ -43,6 +44,7 @@ def apply_runtime_fixes() -> None:
     _patch_torch_load_compiled_function()
     when_imported("vllm.compilation.decorators", _patch_compile_cache_accounting)
     when_imported("vllm.v1.worker.cpu_worker", _patch_cpu_worker_memory_release)
+    when_imported("vllm.v1.engine.async_llm", _patch_drain_start)
 
 
 def _is_ours(fn: Any) -> bool:
@@ -161,6 +163,9 @@ def _patch_torch_load_compiled_function() -> None:
 # ("load_failed": a truncated file, where vLLM logs "Compile cache file corrupted.", changed
 # source, incompatible torch). After a miss vLLM compiles and atomically replaces the file, so
 # a corrupt artifact is rebuilt. With VLLM_FORCE_AOT_LOAD vLLM re-raises instead: also a miss.
+# Before the load, the artifact's folder is checked against the digests `serve` recorded
+# (cache_digests): damaged files are deleted first, so vLLM finds no artifact and compiles
+# ("altered"), where an altered byte might otherwise load and run.
 #
 # The caller (`_support_torch_compile.__call__`) looks `_try_load_aot_compiled_fn` up as a
 # global of vllm.compilation.decorators at every call, so replacing the module attribute is
@@ -180,7 +185,8 @@ def count_compile_cache_loads(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def _try_load_aot_compiled_fn(*args: Any, **kwargs: Any) -> Any:
         path = _artifact_path(args, kwargs)
-        reason = "no_artifact" if path is not None and not os.path.exists(path) else "load_failed"
+        reason = "altered" if path is not None and _discard_damaged(path) else (
+            "no_artifact" if path is not None and not os.path.exists(path) else "load_failed")
         try:
             loaded = original(*args, **kwargs)
         except BaseException:
@@ -193,6 +199,15 @@ def count_compile_cache_loads(original: Callable[..., Any]) -> Callable[..., Any
         return loaded
 
     return _mark(_try_load_aot_compiled_fn, "compile_cache_accounting")
+
+
+def _discard_damaged(artifact: str) -> bool:
+    """True if the artifact's folder failed its digest check (the damaged files are gone). Never raises."""
+    try:
+        return bool(cache_digests.discard_if_damaged(Path(artifact)))
+    except OSError as e:
+        _LOG.warning("spark-edge: could not check compile-cache digests for %s: %s", artifact, e)
+        return False
 
 
 def _patch_compile_cache_accounting(decorators: ModuleType) -> None:
@@ -246,3 +261,35 @@ def _wrap_method(cls: type, name: str, what: str) -> None:
 def _patch_cpu_worker_memory_release(cpu_worker: ModuleType) -> None:
     _wrap_method(cpu_worker.CPUWorker, "load_model", "model load")
     _wrap_method(cpu_worker.CPUModelRunner, "warming_up_model", "compile and warm-up")
+
+
+# --- 4. New requests during a SIGTERM drain fail with HTTP 500 ------------------------------------
+#
+# vLLM behaviour: with --shutdown-timeout > 0, SIGTERM makes the API server call
+# `AsyncLLM.shutdown(timeout)`, which shuts the tokenizer pool down and then waits for the engine
+# to finish its in-flight requests. A request arriving in that window fails with HTTP 500
+# "cannot schedule new futures after shutdown". The wrapper marks the start of the drain
+# (spark_edge.serving.draining) before vLLM's shutdown runs; serve's middleware then answers new
+# requests with 503. Turns itself off: if AsyncLLM has no `shutdown`, nothing is wrapped (a
+# warning says so) and new requests during a drain get whatever vLLM answers.
+
+def mark_drain_start(shutdown: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an `AsyncLLM.shutdown`-like method to flag the drain before it starts."""
+    if _is_ours(shutdown):
+        return shutdown
+
+    @functools.wraps(shutdown)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        begin_draining()
+        return shutdown(*args, **kwargs)
+
+    return _mark(wrapper, "drain_start")
+
+
+def _patch_drain_start(async_llm: ModuleType) -> None:
+    cls = getattr(async_llm, "AsyncLLM", None)
+    if cls is None or getattr(cls, "shutdown", None) is None:
+        _LOG.warning("spark-edge: vllm.v1.engine.async_llm.AsyncLLM.shutdown not found; requests "
+                     "arriving during a SIGTERM drain are not answered 503")
+        return
+    cls.shutdown = mark_drain_start(cls.shutdown)

@@ -18,16 +18,24 @@ from typing import Callable, Iterator
 import click
 
 from spark_edge import __version__
-from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.metrics.process_tree import TreeRssSampler, rss_anon_bytes
 from spark_edge.paths import spark_edge_home
-from spark_edge.planning.memory_plan import MemoryPlan, make_plan
+from spark_edge.planning.ceiling import Ceiling, serving_ceiling
+from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
-from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root
+from spark_edge.runtime.cache_digests import seal_used
+from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
+from spark_edge.serving import draining
 from spark_edge.serving.checkpoint import checkpoint_for_serving
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
+
+
+# SIGTERM: in-flight requests get this long to finish before they are aborted (vLLM's drain mode)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20  # inside the 30 s Kubernetes gives by default, with room to tear down
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class ServeRequest:
     memory_limit: int | None = None
     api_key: str | None = field(default=None, repr=False)
     api_key_file: Path | None = None
+    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S
+    process_layout: str = DEFAULT_LAYOUT
 
 
 def resolve_api_key(req: ServeRequest) -> str | None:
@@ -91,12 +101,16 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         "--max-model-len", str(plan.max_model_len),
         "--max-num-seqs", str(req.max_num_seqs),
         "--kv-cache-memory-bytes", str(plan.kv_bytes),
+        "--shutdown-timeout", str(req.shutdown_timeout),
+        "--middleware", draining.MIDDLEWARE,  # 503, not 500, for requests arriving during that drain
+        *layout_args(req.process_layout),
     ]  # fmt: skip
 
 
-def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path) -> dict[str, str]:
+def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path, layout: str = DEFAULT_LAYOUT) -> dict[str, str]:
     """Environment for vLLM and its worker processes (set before vLLM is imported)."""
     env = {
+        **layout_env(layout),
         # Nothing is ever fetched from a model hub: the checkpoint is local.
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -138,6 +152,7 @@ class Prepared:
     cache_root: Path
     phases: _Phases
     sampler: TreeRssSampler
+    ceiling: Ceiling
 
 
 def _refuse_wrong_image(device: DeviceProfile) -> None:
@@ -157,6 +172,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
     sampler = TreeRssSampler(os.getpid()).start()
     with phases.phase("probe"):
         device = probe_device()
+        own_anon = rss_anon_bytes(os.getpid())  # at the moment the cgroup's usage was read
         _refuse_wrong_image(device)
         explicit = None if req.weight_path == "auto" else req.weight_path
         choice = select_weight_path(device, req.priority, explicit)
@@ -165,26 +181,29 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
     config = json.loads((checkpoint / "config.json").read_text())
     path = _built_weight_path(checkpoint, choice.name)
     group = int(config.get("quantization_config", {}).get("group_size", 32))
-    ceiling = req.memory_limit or device.memory.ceiling
-    plan = make_plan(ModelShape.from_config(config), path, ceiling, req.max_model_len, req.max_num_seqs, group)
+    ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)
+    try:
+        plan = make_plan(ModelShape.from_config(config), path, ceiling.bytes, req.max_model_len, req.max_num_seqs,
+                         group, req.process_layout)
+    except PlanRefused as exc:  # before vLLM is even imported: nothing to OOM-kill, nothing to crash-loop
+        raise PlanRefused(f"{ceiling.describe()}: {exc}", exc.plan) from None
     # one cache root per weight path: its stamp names the path, so paths never evict each other
     return Prepared(device, choice, checkpoint, served_name, path, plan, _fresh_run_dir(),
-                    spark_edge_home() / "vllm-cache" / path, phases, sampler)
+                    spark_edge_home() / "vllm-cache" / path, phases, sampler, ceiling)
 
 
 def startup_summary(p: Prepared) -> str:
     d, c = p.device, p.choice
     unverified = "" if c.verified else " [not yet verified on this CPU class]"
-    return (f"device: {d.machine} {isa_label(d)}, {d.cpus.usable_cores} usable cores, ceiling "
-            f"{p.plan.ceiling_bytes / 2**20:.0f} MiB | weight path: {p.weight_path} ({c.reason}){unverified} | "
-            f"plan: {p.plan.summary()}")
+    return (f"device: {d.machine} {isa_label(d)}, {d.cpus.usable_cores} usable cores, {p.ceiling.describe()} | "
+            f"weight path: {p.weight_path} ({c.reason}){unverified} | plan: {p.plan.summary()}")
 
 
 def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> None:
     """Serve; with serve=False, load and compile (filling the compile cache) and stop (`spark-edge warm`)."""
     api_key = resolve_api_key(req)
     p = prepare(req, log)
-    os.environ.update(server_env(p.device, p.run_dir, p.cache_root))
+    os.environ.update(server_env(p.device, p.run_dir, p.cache_root, req.process_layout))
     if api_key:
         # vLLM guards /v1/* (and /v2, /inference) with it; /health and /metrics stay open for probes.
         # Through the environment, not argv: vLLM logs its non-default arguments.
@@ -197,12 +216,17 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     from spark_edge.serving.launch import run_openai_server
     facts = ServerFacts(isa=isa_label(p.device), weight_path=p.weight_path, version=__version__,
                         vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
-                        startup_seconds=p.phases.seconds)
+                        startup_seconds=p.phases.seconds, max_model_len=p.plan.max_model_len,
+                        requested_max_model_len=p.plan.requested_max_model_len,
+                        plan_steady_bytes=p.plan.steady_bytes, plan_load_peak_bytes=p.plan.load_peak_bytes)
     install(facts, p.sampler)
     log(startup_summary(p) + f" | compile cache: {p.cache_root} ({cache.reason})"
         + (" | API key required on /v1" if api_key else ""))
     for note in p.choice.notes:
         log(f"note: {note}")
+    if p.plan.reduced_context:
+        log(f"memory: serving a {p.plan.max_model_len}-token context, not the {p.plan.requested_max_model_len} "
+            f"asked for: only that fits under the {p.ceiling.describe()}")
     engine_start = time.monotonic()
 
     def on_engine_ready() -> None:
@@ -210,6 +234,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         p.phases.seconds["engine"] = now - engine_start
         p.phases.seconds["ready"] = now - p.phases.start
         facts.load_peak_bytes = p.sampler.peak
+        seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
         log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
 

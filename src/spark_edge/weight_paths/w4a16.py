@@ -1,8 +1,10 @@
 """w4a16: 4-bit group-wise weights, bf16 activations, served by the "cpu_int4" method.
 
-Every Linear weight of the Llama decoder layers (q/k/v/o, gate/up/down) and the token
-embedding (which is also the LM head when tied) is quantized with
-spark_edge.quant.int4_asym; norms stay bf16.  Streaming: one source tensor is loaded,
+Every Linear weight of the decoder layers (Llama: q/k/v/o, gate/up/down; Spark-X2.5: the
+fused q_k_v_proj, out_proj, gate/up/down) and the token embedding (which is also the LM
+head when tied) is quantized with spark_edge.quant.int4_asym; norms and Spark's head gate
+(g_proj, 0.001% of the weights) stay bf16.  Tensor names are kept: the model loaders split
+a fused q_k_v_proj by rows, which is exact for these tensors (N stays on dim 0).  Streaming: one source tensor is loaded,
 quantized and written at a time.
 
 Params:
@@ -28,6 +30,7 @@ import torch
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
+from spark_edge.models import spark_layout
 from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
 from spark_edge.quant.int4_asym import bits_per_weight, quantize
 from spark_edge.quant.tinygemm_layout import kernel_supports
@@ -35,7 +38,8 @@ from spark_edge.quant.tinygemm_layout import kernel_supports
 REPORT_NAME = "quantization_report.json"
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
-LINEAR_SUFFIXES = (
+EMBEDDINGS = (EMBEDDING, spark_layout.EMBEDDING)
+LINEAR_SUFFIXES = spark_layout.LINEAR_WEIGHT_SUFFIXES + (
     ".self_attn.q_proj.weight",
     ".self_attn.k_proj.weight",
     ".self_attn.v_proj.weight",
@@ -80,17 +84,22 @@ def _options(params: dict[str, Any]) -> _Options:
 
 
 def _check_architecture(config: dict[str, Any]) -> None:
+    if spark_layout.is_spark(config):
+        return
     if config.get("model_type") != "llama" and "LlamaForCausalLM" not in config.get("architectures", []):
         raise CheckpointError(
-            f"w4a16 knows the Llama architecture only, not {config.get('architectures') or config.get('model_type')}"
+            "w4a16 knows the Llama and Spark-X2.5 architectures only, not "
+            f"{config.get('architectures') or config.get('model_type')}"
         )
 
 
 def _action(name: str, shape: tuple[int, ...], tied: bool, opts: _Options) -> str:
     if name == LM_HEAD and tied:
         return "drop"  # tied: vLLM builds the head from the embedding and would skip this copy
-    if name in (EMBEDDING, LM_HEAD):
+    if name in EMBEDDINGS or name == LM_HEAD:
         return "int4" if opts.settings.quantize_embedding else "bf16"
+    if name.endswith(spark_layout.HEAD_GATE):
+        return "bf16"  # a plain parameter in the model, never a quantized linear
     if name.endswith(LINEAR_SUFFIXES):
         return "int4"
     if len(shape) == 1:
@@ -105,7 +114,7 @@ def _check_quantizable(item: _Item, group_size: int) -> None:
     if k % group_size:
         raise CheckpointError(f"w4a16: {item.name}: K={k} is not a multiple of group size {group_size}")
     # vLLM pads the vocab to a multiple of 64 before packing, so only linears need the check
-    if item.name not in (EMBEDDING, LM_HEAD) and not kernel_supports(n):
+    if item.name not in (*EMBEDDINGS, LM_HEAD) and not kernel_supports(n):
         raise CheckpointError(f"w4a16: {item.name}: N={n} is not a multiple of 16 (CPU int4 kernel)")
 
 

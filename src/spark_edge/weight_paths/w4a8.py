@@ -6,13 +6,14 @@ host, else as W4A16 (`cpu_gemm_wna16`).  Both fix the zero point at 8, so the gr
 symmetric (spark_edge.quant.int4_sym) and the tensors are AutoGPTQ's
 (spark_edge.quant.gptq_layout).
 
-What is quantized: every Linear of the Llama decoder layers (q/k/v/o, gate/up/down) and
-the output head.  The head matters most: it is the largest matrix read per decode step,
+What is quantized: every Linear of the decoder layers (Llama: q/k/v/o, gate/up/down;
+Spark-X2.5: q_k_v_proj, out_proj, gate/up/down) and the output head.  Spark's head gate
+(g_proj) stays bf16: the model holds it as a plain parameter.  The head matters most: it is the largest matrix read per decode step,
 and a bf16 head alone costs more per step than all the 4-bit savings.  A tied source is
 therefore untied: the bf16 table stays for token lookup (vLLM's GPTQ method has no
 quantized embedding) and a 4-bit `lm_head` is written beside it.  Fused `qkv_proj` /
-`gate_up_proj` source tensors are split into the q/k/v and gate/up tensors vLLM's Llama
-loader expects.  Norms stay bf16.  Streaming: one source tensor is loaded at a time.
+`gate_up_proj` (and Spark's `q_k_v_proj`) source tensors are split into q/k/v and gate/up
+tensors: GPTQ puts N on dim 1 (and packs K), so a loader could not split them by rows.  Norms stay bf16.  Streaming: one source tensor is loaded at a time.
 
 Params:
   group_size  K elements per scale, one of 32/64/128 (what vLLM's GPTQ method accepts);
@@ -40,13 +41,15 @@ import torch
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
+from spark_edge.models import spark_layout
 from spark_edge.quant import gptq_layout
 from spark_edge.quant.int4_sym import SCALE_DTYPE
 
 REPORT_NAME = "quantization_report.json"
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
-LINEAR_SUFFIXES = (
+EMBEDDINGS = (EMBEDDING, spark_layout.EMBEDDING)
+LINEAR_SUFFIXES = spark_layout.LINEAR_WEIGHT_SUFFIXES + (
     ".self_attn.q_proj.weight",
     ".self_attn.k_proj.weight",
     ".self_attn.v_proj.weight",
@@ -56,6 +59,7 @@ LINEAR_SUFFIXES = (
     ".mlp.down_proj.weight",
 )
 QKV = ".self_attn.qkv_proj."
+FUSED_QKV = (QKV, spark_layout.QKV)
 GATE_UP = ".mlp.gate_up_proj."
 
 # vLLM's GPTQ config accepts these group sizes (and -1, one group per row, not offered)
@@ -103,20 +107,24 @@ def _options(params: dict[str, Any]) -> _Options:
 
 
 def _check_architecture(config: dict[str, Any]) -> None:
+    if spark_layout.is_spark(config):
+        return
     if config.get("model_type") != "llama" and "LlamaForCausalLM" not in config.get("architectures", []):
         raise CheckpointError(
-            f"w4a8 knows the Llama architecture only, not {config.get('architectures') or config.get('model_type')}"
+            "w4a8 knows the Llama and Spark-X2.5 architectures only, not "
+            f"{config.get('architectures') or config.get('model_type')}"
         )
 
 
 def _fused_parts(name: str, config: dict[str, Any]) -> list[tuple[str, int]] | None:
     """(unfused name, rows) of a fused qkv / gate_up tensor; None if `name` is not fused."""
-    if QKV in name:
+    fused = next((f for f in FUSED_QKV if f in name), None)
+    if fused is not None:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         kv = int(config.get("num_key_value_heads") or heads) * head_dim
         parts = (("q_proj", heads * head_dim), ("k_proj", kv), ("v_proj", kv))
-        return [(name.replace(".qkv_proj.", f".{p}."), rows) for p, rows in parts]
+        return [(name.replace(fused, f".self_attn.{p}."), rows) for p, rows in parts]
     if GATE_UP in name:
         inter = int(config["intermediate_size"])
         return [(name.replace(".gate_up_proj.", f".{p}."), inter) for p in ("gate_proj", "up_proj")]
@@ -142,9 +150,9 @@ def _split(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> list[_I
 
 
 def _items_for(name: str, shape: tuple[int, ...], config: dict[str, Any], head_source: str) -> list[_Item]:
-    if name == EMBEDDING:
+    if name in EMBEDDINGS:
         items = [_Item(name, name, None, shape, "bf16")]
-        if head_source == EMBEDDING:  # tied: the head is quantized from the same loaded table
+        if head_source == name:  # tied: the head is quantized from the same loaded table
             items.append(_Item(LM_HEAD, name, None, shape, "gptq"))
         return items
     if name == LM_HEAD:
@@ -153,6 +161,8 @@ def _items_for(name: str, shape: tuple[int, ...], config: dict[str, Any], head_s
         return _split(name, shape, config)
     if name.endswith(LINEAR_SUFFIXES):
         return [_Item(name, name, None, shape, "gptq")]
+    if name.endswith(spark_layout.HEAD_GATE):
+        return [_Item(name, name, None, shape, "bf16")]
     if len(shape) == 1:
         return [_Item(name, name, None, shape, "bf16")]  # norms, biases
     raise CheckpointError(f"w4a8: no rule for tensor {name} {list(shape)}; refusing to guess")
@@ -160,10 +170,11 @@ def _items_for(name: str, shape: tuple[int, ...], config: dict[str, Any], head_s
 
 def _head_source(config: dict[str, Any], names: set[str]) -> str:
     """Where the output head comes from: its own tensor, or the embedding when tied."""
-    if EMBEDDING not in names:
-        raise CheckpointError(f"w4a8: the source has no {EMBEDDING}")
+    embedding = next((e for e in EMBEDDINGS if e in names), None)
+    if embedding is None:
+        raise CheckpointError(f"w4a8: the source has no token embedding ({' or '.join(EMBEDDINGS)})")
     tied = bool(config.get("tie_word_embeddings", False))
-    return LM_HEAD if LM_HEAD in names and not tied else EMBEDDING
+    return LM_HEAD if LM_HEAD in names and not tied else embedding
 
 
 def _check_kernel_shape(item: _Item) -> None:
