@@ -397,6 +397,7 @@ def pytest_for_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                     "-c", str(REPO / "constraints.txt"), "pytest", "pluggy", "iniconfig", "pytest-timeout"],
                    check=True, capture_output=True, timeout=600)
+    target.chmod(0o755)  # pytest makes its temporary folders 0700; the image runs as uid 10001
     return target
 
 
@@ -441,6 +442,7 @@ def test_arm_w4a16_kernel_tests_pass_under_emulation(arm_image: str, pytest_for_
     with engine_lock():
         result = run_once(arm_image, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_int4.py",
                                       "-k", selection, "-o", "addopts="], ARM + mounts, timeout_s=3600)
-    print(f"\nspark-edge:arm W4A16 kernel tests under emulation: {result.stdout.strip().splitlines()[-1]}")
+    last = (result.stdout.strip() or result.stderr.strip() or "no output").splitlines()[-1]
+    print(f"\nspark-edge:arm W4A16 kernel tests under emulation: {last}")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", result.stdout)
