@@ -43,7 +43,7 @@ def test_bounded_load_has_no_errors_and_stays_under_the_plan(bf16_server: Server
     assert 0 < report["ttft_p50_s"] <= report["ttft_p95_s"]
     assert report["throughput_tps"] > 0 and report["stream_tps_p50"] > 0
     assert 0 < report["rss_anon_max_bytes"] <= report["plan_steady_bytes"], report
-    assert report["rss_anon_peak_bytes"] <= report["plan_load_peak_bytes"], report
+    assert report["rss_anon_peak_bytes"] <= report["plan_peak_bytes"], report
     assert report["under_plan"] is True
     assert len(SERVER_ERROR.findall(bf16_server.log_path.read_bytes())) == errors_before
     assert bf16_server.api_key not in bf16_server.log_path.read_text(errors="replace")
@@ -54,7 +54,7 @@ def test_load_table_flags_errors_and_rss_over_the_plan() -> None:
                         requests=3, errors=["HTTP 500: boom"], tokens=16, ttft_p50_s=0.1, ttft_p95_s=0.2,
                         throughput_tps=2.9, stream_tps_p50=20.0, rss_anon_max_bytes=2100 << 20,
                         rss_anon_peak_bytes=2200 << 20, plan_steady_bytes=2000 << 20,
-                        plan_load_peak_bytes=2300 << 20, memory_limit_bytes=4 << 30)
+                        plan_peak_bytes=2300 << 20, memory_limit_bytes=4 << 30)
     assert not report.under_plan  # the steady figure was exceeded during the load
     table = format_load_table({"bf16": report})
     assert "OVER" in table and "bf16: error: HTTP 500: boom" in table

@@ -50,7 +50,8 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path) ->
     (tmp_path / EVENTS_FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
     facts = ServerFacts("avx512", "w4a16", "0.1.0", "0.32.0", 8 << 30, tmp_path, {"probe": 0.01, "ready": 12.5},
                         load_peak_bytes=300 << 20, max_model_len=1024, requested_max_model_len=4096,
-                        plan_steady_bytes=1900 << 20, plan_load_peak_bytes=1950 << 20)
+                        plan_steady_bytes=1900 << 20, plan_load_peak_bytes=1950 << 20,
+                        plan_peak_bytes=2200 << 20)
     sampler = TreeRssSampler(os.getpid(), interval_s=0.01).start()
     rate = DecodeRate(_FakeItl(), interval_s=0.01)
     time.sleep(0.05)
@@ -67,6 +68,7 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path) ->
     assert samples[("spark_edge_requested_max_model_len_tokens", ())] == 4096
     assert samples[("spark_edge_plan_steady_bytes", ())] == 1900 << 20
     assert samples[("spark_edge_plan_load_peak_bytes", ())] == 1950 << 20
+    assert samples[("spark_edge_plan_peak_bytes", ())] == 2200 << 20
     assert samples[("spark_edge_process_rss_anon_peak_bytes", ())] >= samples[("spark_edge_process_rss_anon_bytes", ())] > 0
     assert samples[("spark_edge_startup_seconds", (("phase", "ready"),))] == 12.5
     info = (("isa", "avx512"), ("version", "0.1.0"), ("vllm_version", "0.32.0"), ("weight_path", "w4a16"))

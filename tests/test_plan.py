@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ from click.testing import CliRunner
 
 from spark_edge import exit_codes
 from spark_edge.planning.command import plan as plan_command
-from spark_edge.planning.memory_plan import MIN_CONTEXT, MiB, PlanRefused, kv_bytes_for, make_plan
+from spark_edge.planning.memory_plan import (MIN_CONTEXT, MIN_PREFILL_CHUNK, PREFILL_CHUNK_TOKENS,
+                                              PROMPT_LOGPROBS_BYTES_PER_LOGIT, MemoryPlan, MiB, PlanRefused,
+                                              activation_bytes, kv_bytes_for, logits_transient_bytes, make_plan)
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import weight_bytes
 
@@ -50,19 +53,39 @@ def test_ample_memory_gets_what_was_asked() -> None:
     assert plan.load_peak_bytes > plan.steady_bytes > plan.weights_bytes
 
 
-def test_a_tight_ceiling_shrinks_kv_then_context() -> None:
+def _ceiling_for(peak_bytes: int) -> int:
+    """The ceiling whose budget (ceiling minus 10% headroom) just holds this peak."""
+    return int((peak_bytes + 20 * MiB) / 0.9)
+
+
+def test_a_tight_ceiling_shrinks_the_prefill_chunk_then_kv_then_context() -> None:
     full = make_plan(SMOLLM2, "bf16", 16 << 30, 8192, max_num_seqs=4)
-    # room for the model and about one full-length sequence, not four
-    one_seq = full.load_peak_bytes - full.kv_bytes + kv_bytes_for(SMOLLM2, 8192)
-    ceiling = int((one_seq + 20 * MiB) / 0.9)
-    plan = make_plan(SMOLLM2, "bf16", ceiling, 8192, max_num_seqs=4)
+    assert (full.max_num_batched_tokens, full.kv_tokens) == (PREFILL_CHUNK_TOKENS, 4 * 8192)
+    # a prompt_logprobs step is planned: logits for 512 tokens x 49152 words x 12 bytes above steady
+    assert full.logits_transient_bytes == PREFILL_CHUNK_TOKENS * SMOLLM2.vocab * PROMPT_LOGPROBS_BYTES_PER_LOGIT
+    assert full.peak_bytes == full.serving_peak_bytes > full.load_peak_bytes > full.steady_bytes
+    # 100 MiB short of the full plan: a smaller prefill chunk, every sequence's KV kept
+    chunked = make_plan(SMOLLM2, "bf16", _ceiling_for(full.peak_bytes - 100 * MiB), 8192, max_num_seqs=4)
+    assert chunked.reduced_prefill_chunk and chunked.kv_tokens == 4 * 8192 and not chunked.reduced_context
+    assert "prefill chunk 256 tokens (reduced from 512 to fit)" in chunked.summary()
+    # room for the smallest chunk and about one full-length sequence, not four
+    smallest_chunk = _plan_with_chunk(full, MIN_PREFILL_CHUNK)
+    one_seq = smallest_chunk.peak_bytes - smallest_chunk.kv_bytes + kv_bytes_for(SMOLLM2, 8192, 1, MIN_PREFILL_CHUNK)
+    plan = make_plan(SMOLLM2, "bf16", _ceiling_for(one_seq), 8192, max_num_seqs=4)
     assert plan.fits and plan.max_model_len == 8192 and plan.kv_tokens < 4 * 8192
-    smaller = make_plan(SMOLLM2, "bf16", int(ceiling - 150 * MiB), 8192, max_num_seqs=4)
+    assert plan.max_num_batched_tokens == MIN_PREFILL_CHUNK
+    smaller = make_plan(SMOLLM2, "bf16", _ceiling_for(one_seq) - 150 * MiB, 8192, max_num_seqs=4)
     assert smaller.fits and smaller.reduced_context and smaller.max_model_len < 8192
 
 
+def _plan_with_chunk(plan: MemoryPlan, chunk: int) -> MemoryPlan:
+    """The same plan with another prefill chunk (its activations and sliding KV follow)."""
+    return replace(plan, max_num_batched_tokens=chunk, activation_bytes=activation_bytes(SMOLLM2, chunk, plan.max_num_seqs),
+                   logits_transient_bytes=logits_transient_bytes(SMOLLM2, chunk))
+
+
 def test_too_small_a_ceiling_is_refused_with_numbers() -> None:
-    with pytest.raises(PlanRefused, match=rf"even a {MIN_CONTEXT}-token context needs a load peak of \d+ MiB"):
+    with pytest.raises(PlanRefused, match=rf"even a {MIN_CONTEXT}-token context needs a peak of \d+ MiB"):
         make_plan(SPARK, "bf16", 2 << 30, 4096)
 
 
@@ -71,7 +94,7 @@ def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> 
                                                "--memory-limit", str(512 * MiB), "--json"])
     assert result.exit_code == exit_codes.MEMORY
     out = json.loads(result.stdout)
-    assert out["fits"] is False and out["load_peak_bytes"] > out["budget_bytes"]
+    assert out["fits"] is False and out["peak_bytes"] > out["budget_bytes"]
     ok = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16", "--json"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["fits"] is True
 

@@ -210,7 +210,7 @@ def test_a_limit_below_the_plan_refuses_before_loading_with_exit_5(
         for run in runs:  # a supervisor restarting it gets the same answer, never an OOM kill
             assert run.returncode == 5, run.stderr[-3000:]
             assert "does not fit" in run.stderr and f"cgroup limit {limit / MiB:.0f} MiB" in run.stderr
-            assert "needs a load peak of" in run.stderr and "the budget is" in run.stderr
+            assert "needs a peak of" in run.stderr and "the budget is" in run.stderr
             assert "non-default args" not in run.stderr and "EngineCore" not in run.stderr  # vLLM never started
         assert cgroup.oom_kills() == 0
         assert cgroup.peak_bytes() < limit // 2, "nothing the size of a model was ever allocated"
@@ -237,7 +237,7 @@ def test_a_limit_that_fits_only_a_shorter_context_serves_it_and_says_so(
     too_long = _complete(first_life, "hello " * (limited.context + 64))
     assert too_long.status_code == 400 and str(limited.context) in too_long.text
     assert "Paris" in _complete(first_life, "The capital of France is").json()["choices"][0]["text"]
-    assert m["spark_edge_process_rss_anon_peak_bytes"] <= m["spark_edge_plan_load_peak_bytes"]
+    assert m["spark_edge_process_rss_anon_peak_bytes"] <= m["spark_edge_plan_peak_bytes"]
     assert limited.cgroup.oom_kills() == 0 and limited.cgroup.peak_bytes() <= limited.limit
     assert KEY not in log
 

@@ -100,6 +100,7 @@ class ServerFacts:
     requested_max_model_len: int = 0
     plan_steady_bytes: int = 0
     plan_load_peak_bytes: int = 0
+    plan_peak_bytes: int = 0
 
 
 class SparkEdgeCollector(Collector):
@@ -140,6 +141,9 @@ class SparkEdgeCollector(Collector):
         yield self._gauge("spark_edge_plan_load_peak_bytes",
                           "Anonymous RSS the memory plan predicts for the process tree at its load peak",
                           f.plan_load_peak_bytes)
+        yield self._gauge("spark_edge_plan_peak_bytes",
+                          "The highest anonymous RSS the memory plan allows the process tree: its load peak or a "
+                          "prompt_logprobs step, whichever is higher", f.plan_peak_bytes)
         yield self._gauge("spark_edge_max_model_len_tokens",
                           "Longest prompt plus completion this server accepts (below the requested one when the "
                           "memory plan reduced it to fit)", f.max_model_len)

@@ -1,15 +1,18 @@
 """The memory plan: predicted anonymous RSS of the whole server, and a context that fits.
 
-    steady    = runtime baseline + weights + KV cache + activations
-    load peak = steady + load transient
+    steady       = runtime baseline + weights + KV cache + activations
+    load peak    = steady + load transient
+    serving peak = steady + logits transient (a prompt_logprobs step)
+    peak         = max(load peak, serving peak), which must fit the budget
 
 Every term is anonymous RSS summed over vLLM's processes (API server, engine core and,
 in vLLM's own layout, a worker), the figure a cgroup limit counts.  The constants below are calibrated by
 measurement; docs/memory-plan.md says how, and `spark-edge bench` re-measures them.
 
-The plan picks the KV cache and context under `ceiling - headroom`: first it shrinks
-the KV cache from `max_num_seqs` full-length sequences down to one, then it halves the
-context; if even MIN_CONTEXT does not fit, it refuses before anything is loaded.
+The plan picks the prefill chunk, the KV cache and the context under `ceiling - headroom`:
+first it halves the prefill chunk (vLLM's max_num_batched_tokens) down to MIN_PREFILL_CHUNK,
+then it shrinks the KV cache from `max_num_seqs` full-length sequences down to one, then it
+halves the context; if even MIN_CONTEXT does not fit, it refuses before anything is loaded.
 """
 
 from __future__ import annotations
@@ -43,9 +46,18 @@ HEADROOM_FRACTION = 0.10
 MIN_HEADROOM_BYTES = 128 * MiB
 MIN_CONTEXT = 256
 KV_BLOCK_TOKENS = 128  # vLLM allocates the CPU KV cache in whole blocks
-# vLLM's max_num_batched_tokens for its API server on CPU (chunked prefill, whatever the context):
-# the most tokens in flight, which sliding-window layers hold beside their window
-SERVER_BATCHED_TOKENS = 2048
+# The prefill chunk (vLLM's max_num_batched_tokens, passed by serve): the most tokens in one step.
+# vLLM's CPU server default is 2048; we ask for 512 because a request with `prompt_logprobs`
+# materialises logits for every prompt token of the step (below): 2048 tokens would cost the
+# default model ~1 GiB and Spark's 131072-word vocabulary ~3 GiB beyond the steady state.
+# A 512-token prompt still prefills in one step; longer prompts take several.
+PREFILL_CHUNK_TOKENS = 512
+MIN_PREFILL_CHUNK = 128
+# Transient bytes per (prompt token x vocabulary word) of a prompt_logprobs step: measured
+# on bf16 SmolLM2 (vocab 49152) as the process tree's anonymous RSS peak over settled,
+# +276 MiB for 512 tokens and +980 MiB for 2000 tokens in one 2048-token step (11.5 and
+# 10.5 bytes: fp32 logits, their log-softmax and the ranks)
+PROMPT_LOGPROBS_BYTES_PER_LOGIT = 12
 
 
 class PlanRefused(Exception):
@@ -67,9 +79,11 @@ class MemoryPlan:
     kv_tokens: int
     activation_bytes: int
     load_transient_bytes: int
+    logits_transient_bytes: int
     max_model_len: int
     requested_max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
 
     @property
     def steady_bytes(self) -> int:
@@ -80,21 +94,35 @@ class MemoryPlan:
         return self.steady_bytes + self.load_transient_bytes
 
     @property
+    def serving_peak_bytes(self) -> int:
+        return self.steady_bytes + self.logits_transient_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.load_peak_bytes, self.serving_peak_bytes)
+
+    @property
     def budget_bytes(self) -> int:
         return self.ceiling_bytes - self.headroom_bytes
 
     @property
     def fits(self) -> bool:
-        return self.load_peak_bytes <= self.budget_bytes
+        return self.peak_bytes <= self.budget_bytes
 
     @property
     def reduced_context(self) -> bool:
         return self.max_model_len < self.requested_max_model_len
 
+    @property
+    def reduced_prefill_chunk(self) -> bool:
+        return self.max_num_batched_tokens < PREFILL_CHUNK_TOKENS
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(steady_bytes=self.steady_bytes, load_peak_bytes=self.load_peak_bytes,
-                 budget_bytes=self.budget_bytes, fits=self.fits, reduced_context=self.reduced_context)
+                 serving_peak_bytes=self.serving_peak_bytes, peak_bytes=self.peak_bytes,
+                 budget_bytes=self.budget_bytes, fits=self.fits, reduced_context=self.reduced_context,
+                 reduced_prefill_chunk=self.reduced_prefill_chunk)
         return d
 
     def summary(self) -> str:
@@ -104,10 +132,14 @@ class MemoryPlan:
         ctx = f"context {self.max_model_len}"
         if self.reduced_context:
             ctx += f" (reduced from {self.requested_max_model_len} to fit)"
-        return (f"{self.weight_path}: load peak {mib(self.load_peak_bytes)}, steady {mib(self.steady_bytes)} "
+        ctx += f", prefill chunk {self.max_num_batched_tokens} tokens"
+        if self.reduced_prefill_chunk:
+            ctx += f" (reduced from {PREFILL_CHUNK_TOKENS} to fit)"
+        return (f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
                 f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
                 f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
-                f"load transient {mib(self.load_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
+                f"load transient {mib(self.load_transient_bytes)}, prompt-logprobs transient "
+                f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
                 f"with {mib(self.headroom_bytes)} headroom; {ctx}")
 
 
@@ -117,33 +149,48 @@ def activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seq
     return max_num_batched_tokens * per_token + 2 * 4 * max_num_seqs * shape.vocab
 
 
-def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens: int = SERVER_BATCHED_TOKENS) -> int:
+def logits_transient_bytes(shape: ModelShape, max_num_batched_tokens: int) -> int:
+    """A step whose request asked for prompt_logprobs: logits for every token of the chunk."""
+    return max_num_batched_tokens * shape.vocab * PROMPT_LOGPROBS_BYTES_PER_LOGIT
+
+
+def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
     """KV cache for `seqs` sequences of `tokens` tokens: whole blocks, plus the one vLLM's block pool
     keeps as its null block (without it, a KV sized for one full-length sequence is refused at start:
     "estimated maximum model length is 3968" for 4096). Sliding-window layers are charged only their
     window plus the tokens in flight (ModelShape.kv_cache_bytes); CPU vLLM has one batch in flight
-    (no async scheduling there), of up to max_num_batched_tokens."""
+    (no async scheduling there), of up to max_num_batched_tokens (the prefill chunk)."""
     return shape.kv_cache_bytes(tokens, seqs, in_flight_tokens, KV_BLOCK_TOKENS)
 
 
 def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
-          requested: int, max_num_seqs: int, layout: str) -> MemoryPlan:
+          requested: int, max_num_seqs: int, layout: str, batched: int) -> MemoryPlan:
     weights = int(RESIDENT_WEIGHT_FACTOR[weight_path] * weight_bytes(shape, weight_path, group))
-    batched = max(context, 2048)  # vLLM's chunked prefill batches up to max(context, 2048) tokens
     return MemoryPlan(
         weight_path=weight_path,
         ceiling_bytes=ceiling,
         headroom_bytes=max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * ceiling)),
         baseline_bytes=RUNTIME_BASELINE_BYTES[layout],
         weights_bytes=weights,
-        kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, SERVER_BATCHED_TOKENS),
+        kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched),
         kv_tokens=kv_tokens,
         activation_bytes=activation_bytes(shape, batched, max_num_seqs),
         load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(LOAD_TRANSIENT_WEIGHT_FRACTION[weight_path] * weights),
+        logits_transient_bytes=logits_transient_bytes(shape, batched),
         max_model_len=context,
         requested_max_model_len=requested,
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
     )
+
+
+def _prefill_chunks(max_num_seqs: int) -> list[int]:
+    """PREFILL_CHUNK_TOKENS halved down to MIN_PREFILL_CHUNK (vLLM wants at least one token per sequence)."""
+    chunks, chunk = [], PREFILL_CHUNK_TOKENS
+    while chunk >= max(MIN_PREFILL_CHUNK, max_num_seqs):
+        chunks.append(chunk)
+        chunk //= 2
+    return chunks or [max_num_seqs]
 
 
 def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model_len: int,
@@ -153,14 +200,15 @@ def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model
     while True:
         # KV for every sequence at full length, down to one full-length sequence
         for seqs in range(max_num_seqs, 0, -1):
-            plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
-                         max_num_seqs, layout)
-            if plan.fits:
-                return plan
+            for batched in _prefill_chunks(max_num_seqs):  # a smaller chunk first: it costs the least
+                plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
+                             max_num_seqs, layout, batched)
+                if plan.fits:
+                    return plan
         if context <= MIN_CONTEXT:
             raise PlanRefused(
-                f"does not fit: even a {context}-token context needs a load peak of "
-                f"{plan.load_peak_bytes / MiB:.0f} MiB, and the budget is {plan.budget_bytes / MiB:.0f} MiB "
+                f"does not fit: even a {context}-token context needs a peak of "
+                f"{plan.peak_bytes / MiB:.0f} MiB, and the budget is {plan.budget_bytes / MiB:.0f} MiB "
                 f"(ceiling {ceiling_bytes / MiB:.0f} MiB minus {plan.headroom_bytes / MiB:.0f} MiB headroom). "
                 f"{plan.summary()}", plan)
         context = max(MIN_CONTEXT, context // 2)

@@ -21,7 +21,7 @@ from spark_edge import __version__
 from spark_edge.metrics.process_tree import TreeRssSampler, rss_anon_bytes
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
-from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
+from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.errors import UnsupportedHostError
@@ -100,6 +100,8 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         "--dtype", "bfloat16",
         "--max-model-len", str(plan.max_model_len),
         "--max-num-seqs", str(req.max_num_seqs),
+        # the plan bounds what one step holds (a prompt_logprobs step keeps logits for every token of it)
+        "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
         "--kv-cache-memory-bytes", str(plan.kv_bytes),
         "--shutdown-timeout", str(req.shutdown_timeout),
         "--middleware", draining.MIDDLEWARE,  # 503, not 500, for requests arriving during that drain
@@ -218,7 +220,8 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
                         vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
                         startup_seconds=p.phases.seconds, max_model_len=p.plan.max_model_len,
                         requested_max_model_len=p.plan.requested_max_model_len,
-                        plan_steady_bytes=p.plan.steady_bytes, plan_load_peak_bytes=p.plan.load_peak_bytes)
+                        plan_steady_bytes=p.plan.steady_bytes, plan_load_peak_bytes=p.plan.load_peak_bytes,
+                        plan_peak_bytes=p.plan.peak_bytes)
     install(facts, p.sampler)
     log(startup_summary(p) + f" | compile cache: {p.cache_root} ({cache.reason})"
         + (" | API key required on /v1" if api_key else ""))
@@ -227,6 +230,9 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     if p.plan.reduced_context:
         log(f"memory: serving a {p.plan.max_model_len}-token context, not the {p.plan.requested_max_model_len} "
             f"asked for: only that fits under the {p.ceiling.describe()}")
+    if p.plan.reduced_prefill_chunk:
+        log(f"memory: prefilling {p.plan.max_num_batched_tokens} tokens per step, not {PREFILL_CHUNK_TOKENS}: "
+            f"only that fits under the {p.ceiling.describe()}")
     engine_start = time.monotonic()
 
     def on_engine_ready() -> None:
