@@ -124,29 +124,87 @@ def test_quantize_refuses_bad_input() -> None:
 # -- the kernel buffer layout --------------------------------------------------------------
 
 
+def _nibble_position(layout: tl.KernelLayout, n: int, k: int, row: int, col: int) -> tuple[int, bool]:
+    """Byte and nibble of codes[row, col], written out from the documented layout."""
+    full = n // layout.block * layout.block
+    if row < full:  # [N/B][K][B/2 bytes]
+        b, d = divmod(row, layout.block)
+        run = layout.block // 2
+        if layout.halves:  # byte d = channel d (low) | channel d + B/2 (high)
+            return b * k * run + col * run + d % run, d >= run
+        return b * k * run + col * run + d // 2, d % 2 == 1  # byte j = channel 2j | channel 2j + 1
+    t, r = row - full, n - full  # tail [K][r/2 bytes]: byte j = channel 2j (low) | channel 2j + 1 (high)
+    return full * k // 2 + col * (r // 2) + t // 2, t % 2 == 1
+
+
 @pytest.mark.parametrize("n", [16, 48, 64, 80, 192, 208])
 def test_kernel_layout_pin(n: int) -> None:
     """Where the installed torch puts every nibble; a torch that repacks differently fails here."""
+    layout = tl.detect_layout()
     k = 8
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     buf = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     assert buf.shape == (n, k // 2) and buf.dtype == torch.uint8
     flat = buf.reshape(-1).tolist()
-    full = n // 64 * 64
     for row in range(n):
         for col in range(k):
-            if row < full:  # [N/64][K][32 B]: byte d = channel d (low) | channel d + 32 (high)
-                b, d = divmod(row, 64)
-                byte, high = b * k * 32 + col * 32 + d % 32, d >= 32
-            else:  # tail [K][r/2 B]: byte j = channel 2j (low) | channel 2j + 1 (high)
-                t, r = row - full, n - full
-                byte, high = full * k // 2 + col * (r // 2) + t // 2, t % 2 == 1
+            byte, high = _nibble_position(layout, n, k, row, col)
             nibble = (flat[byte] >> 4) if high else (flat[byte] & 0xF)
             assert nibble == int(codes[row, col]), (row, col)
 
 
-def test_layout_self_check_passes_on_this_torch() -> None:
-    tl.check_layout()
+def test_layout_detected_on_this_torch() -> None:
+    from spark_edge.probe.device import probe_device
+
+    layout = tl.detect_layout()
+    if probe_device().has("avx512f") and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert layout == tl.KernelLayout(64, True)
+
+
+# Each ATen CPU kernel packs its own way: the AVX2 kernel (x86 without AVX-512) and the portable
+# one (what aarch64 runs) are exercised here by forcing ATen's dispatch in a fresh process.
+OTHER_KERNELS = {"avx2": tl.KernelLayout(32, True), "default": tl.KernelLayout(32, False)}
+OTHER_KERNEL_SCRIPT = """
+import sys, torch
+from spark_edge.quant import int4_asym as q4, tinygemm_layout as tl
+from spark_edge.quant.native_dequant import dequantize_kernel_weight_t, native_kernel
+from spark_edge.quant.cpu_int4_op import register_ops
+register_ops()
+layout = tl.detect_layout()
+assert (layout.block, layout.halves) == (int(sys.argv[1]), sys.argv[2] == "1"), layout
+torch.manual_seed(0)
+for n, k, g in ((80, 64, 32), (592, 576, 32), (1536, 576, 64)):
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scale = (torch.rand(n, k // g) * 0.01 + 1e-4).to(torch.bfloat16)
+    zero = (torch.randn(n, k // g) * 0.01).to(torch.bfloat16)
+    buf, sz = tl.pack_for_kernel(packed, 256), tl.scales_and_zeros(scale, zero)
+    assert torch.equal(buf, tl.pack_for_kernel(packed, 0))
+    reference = q4.dequantize(q4.unpack_nibbles(packed), scale, zero, g).to(torch.bfloat16)
+    assert torch.equal(tl.dequantize_kernel_weight(buf, sz, g), reference)
+    rows = torch.randint(0, n, (40,))
+    assert torch.equal(tl.gather_kernel_rows(buf, sz, rows, g), reference[rows])
+    assert native_kernel() is not None and torch.equal(dequantize_kernel_weight_t(buf, sz, g).t(), reference)
+    x = torch.randn(1, k).to(torch.bfloat16)
+    y = torch.ops.spark_edge.cpu_int4_linear(x, buf, sz, g, None, None, None)  # the int4 kernel, one row
+    assert q4.snr_db(x.float() @ reference.float().t(), y.float()) > 40
+print("ok", layout.name)
+"""
+
+
+@pytest.mark.parametrize("capability", sorted(OTHER_KERNELS))
+def test_other_cpu_kernels_layouts_are_detected_and_decoded(capability: str, tmp_path: Path) -> None:
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64":
+        pytest.skip("ATen's x86 kernels can only be forced on x86 (elsewhere the layout test above runs natively)")
+    want = OTHER_KERNELS[capability]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "SPARK_EDGE_HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", OTHER_KERNEL_SCRIPT, str(want.block), str(int(want.halves))],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from spark_edge.quant.cpu_int4_config import CpuInt4Settings
 from spark_edge.quant.cpu_int4_op import NAMESPACE, check_activation_dtype, register_ops
 from spark_edge.quant.tinygemm_layout import (
     DEFAULT_REPACK_ROWS,
-    check_layout,
+    detect_layout,
     kernel_supports,
     pack_for_kernel,
     scales_and_zeros,
@@ -89,7 +89,7 @@ def _build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
     if getattr(layer, _READY, False):
         return
     if settings.direct_dequant:
-        check_layout()  # decoding the buffer relies on its measured layout
+        detect_layout()  # decoding the buffer relies on its measured layout (raises if unknown)
     buf = pack_for_kernel(layer.weight_packed.data, DEFAULT_REPACK_ROWS)
     sz = scales_and_zeros(layer.weight_scale.data, layer.weight_zero.data)
     setattr(layer, KERNEL_WEIGHT, Parameter(buf, requires_grad=False))

@@ -94,20 +94,24 @@ def _load(path: Path) -> ctypes._CFuncPtr:
     fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_int64]
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return fn
 
 
 def _call(fn: ctypes._CFuncPtr, buf: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    from spark_edge.quant.tinygemm_layout import detect_layout
+
+    layout = detect_layout()
     n, half_k = buf.shape
     k = half_k * 2
     out = torch.empty((k, n), dtype=torch.bfloat16)
-    fn(buf.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group_size)
+    fn(buf.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group_size, layout.block, int(layout.halves))
     return out
 
 
 def _self_check(fn: ctypes._CFuncPtr) -> None:
-    """Bit-exact against the reference on full blocks plus a 16-channel tail, several groups."""
+    """Bit-exact against the reference on full blocks plus a 16-channel tail (in every known
+    layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups."""
     from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, pack_for_kernel, scales_and_zeros
 
     gen = torch.Generator().manual_seed(0)

@@ -1,12 +1,14 @@
 /* Dequantize the CPU int4 GEMM's weight buffer to a transposed bf16 matrix W^T [K][N] in one pass.
  *
- * Layout of the buffer (see tinygemm_layout.py): output channels in full blocks of 64, each block
- * [K][32] bytes where byte d holds channel d (low nibble) and channel d + 32 (high nibble); then one
- * tail block of r = N mod 64 channels laid out [K][r/2], byte j holding channels 2j (low) and 2j+1
- * (high). scales_and_zeros is bf16 [G][N][2] (scale, zero), G = K / group.
+ * Layout of the buffer (see tinygemm_layout.py, which detects it on the running torch): output
+ * channels in full blocks of `block`, each [K][block/2] bytes, then one tail block of
+ * r = N mod block channels laid out [K][r/2]. In a full block with `halves` set, byte d holds
+ * channel d (low nibble) and channel d + block/2 (high nibble); otherwise, and in the tail,
+ * byte j holds channels 2j (low) and 2j+1 (high). scales_and_zeros is bf16 [G][N][2]
+ * (scale, zero), G = K / group.
  *
- * Writing W^T row by row keeps both sides contiguous: row k of W^T is, block after block, the 32
- * bytes of that block at k expanded to 64 values. The arithmetic is the project's one definition,
+ * Writing W^T row by row keeps both sides contiguous: row k of W^T is, block after block, the
+ * bytes of that block at k expanded to values. The arithmetic is the project's one definition,
  * (q - 8) * scale + zero in fp32, rounded once to bf16 (nearest even): (q - 8) * scale is exact in
  * fp32, so a contracted fma gives the same bits as a multiply and an add.
  *
@@ -34,31 +36,38 @@ static inline uint16_t dq(uint32_t code, const uint16_t *sz_pair) {
     return float_to_bf16((float)((int32_t)code - 8) * bf16_to_float(sz_pair[0]) + bf16_to_float(sz_pair[1]));
 }
 
+/* Adjacent pairs: byte j -> channels 2j, 2j+1 (the tail block, the portable kernel's blocks). */
+static inline void dq_adjacent(const uint8_t *src, const uint16_t *s, uint16_t *o, int64_t channels) {
+    for (int64_t j = 0; j < channels / 2; j++) {
+        o[2 * j] = dq(src[j] & 0xfu, s + 4 * j);
+        o[2 * j + 1] = dq(src[j] >> 4, s + 4 * j + 2);
+    }
+}
+
+/* Halves: byte d -> channels d, d + channels/2 (full blocks of the AVX2 and AVX-512 kernels). */
+static inline void dq_halves(const uint8_t *src, const uint16_t *s, uint16_t *o, int64_t channels) {
+    const int64_t half = channels / 2;
+    for (int64_t d = 0; d < half; d++) {
+        o[d] = dq(src[d] & 0xfu, s + 2 * d);
+        o[d + half] = dq(src[d] >> 4, s + 2 * (d + half));
+    }
+}
+
 void spark_edge_int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t *out,
-                               int64_t n, int64_t k, int64_t group) {
-    const int64_t full = n / 64 * 64, blocks = n / 64, tail = n - full;
+                               int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
+    const int64_t blocks = n / block, full = blocks * block, tail = n - full;
     const uint8_t *tail_buf = buf + full * (k / 2);
 #pragma omp parallel for schedule(static)
     for (int64_t kk = 0; kk < k; kk++) {
         const uint16_t *sz_row = sz + (kk / group) * n * 2; /* [N][2] of this row's group */
         uint16_t *o = out + kk * n;
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *src = buf + (b * k + kk) * 32;
-            const uint16_t *s = sz_row + b * 64 * 2;
-            uint16_t *ob = o + b * 64;
-            for (int d = 0; d < 32; d++) {
-                ob[d] = dq(src[d] & 0xfu, s + 2 * d);
-                ob[d + 32] = dq(src[d] >> 4, s + 2 * (d + 32));
-            }
+            const uint8_t *src = buf + (b * k + kk) * (block / 2);
+            if (halves)
+                dq_halves(src, sz_row + b * block * 2, o + b * block, block);
+            else
+                dq_adjacent(src, sz_row + b * block * 2, o + b * block, block);
         }
-        if (tail) {
-            const uint8_t *src = tail_buf + kk * (tail / 2);
-            const uint16_t *s = sz_row + full * 2;
-            uint16_t *ot = o + full;
-            for (int64_t j = 0; j < tail / 2; j++) {
-                ot[2 * j] = dq(src[j] & 0xfu, s + 4 * j);
-                ot[2 * j + 1] = dq(src[j] >> 4, s + 4 * j + 2);
-            }
-        }
+        if (tail) dq_adjacent(tail_buf + kk * (tail / 2), sz_row + full * 2, o + full, tail);
     }
 }
