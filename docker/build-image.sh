@@ -111,6 +111,9 @@ fi
 
 platform=()
 [ "$arch" = amd64 ] || platform=(--platform "linux/$arch")
+# Said, not guessed inside the build: qemu 8.1 and newer emulate /proc/cpuinfo for the guest.
+host_arch=$(dpkg --print-architecture 2>/dev/null || uname -m)
+[ "$host_arch" = "$arch" ] || build_args+=(--build-arg "EMULATED=1")
 # SPARK_EDGE_ENGINE_LOCK= (empty): the caller already holds the lock (flock(1) on an ancestor would
 # otherwise make this wait for itself forever).
 lock=${SPARK_EDGE_ENGINE_LOCK-/tmp/spark_edge_engine.lock}
