@@ -21,6 +21,12 @@ SERVER_START_TIMEOUT_S = 900
 SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session server requires it on /v1/*  # a cold start compiles the model: ~100 s here, more on a busy machine
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Image tests first: their time-to-ready ratios are measured before this session's own servers
+    (started lazily, kept to the end) are alive beside them."""
+    items.sort(key=lambda item: item.get_closest_marker("images") is None)  # stable: order kept within
+
+
 @pytest.fixture(scope="session")
 def spark_edge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("spark-edge-home")

@@ -1,6 +1,8 @@
 """The per-ISA container images, built (or reused when their inputs are unchanged) and run for real.
 
-Marker `images`; skipped, with the reason, where no docker daemon is reachable. Builds go through
+Marker `images` (in the default run: the avx512 and amx images); the arm64 image, built and run
+under qemu, is marked `images_arm` too and left out of the default run (see pyproject.toml).
+Skipped, with the reason, where no docker daemon is reachable. Builds go through
 docker/build-image.sh, as `make image-<isa>` does. Every container that starts vLLM runs under the
 machine-wide engine lock (/tmp/spark_edge_engine.lock, the one `flock` takes), so time-to-ready is
 measured without another engine competing for the cores.
@@ -355,6 +357,7 @@ def arm_image(docker: None) -> str:
     return build_image("arm")
 
 
+@pytest.mark.images_arm
 def test_arm_probe_reports_aarch64_and_w4a16(arm_image: str) -> None:
     result = run_once(arm_image, ["probe", "--json"], ARM)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -364,6 +367,7 @@ def test_arm_probe_reports_aarch64_and_w4a16(arm_image: str) -> None:
     assert report["weight_path"]["name"] == "w4a16"
 
 
+@pytest.mark.images_arm
 def test_arm_image_is_not_warmed_and_says_so_at_start(arm_image: str) -> None:
     baked = run_once(arm_image, ["/opt/spark-edge/baked-cache"], ARM + ["--entrypoint", "ls"]).stdout.split()
     assert baked == ["NOT_WARMED"], baked
@@ -374,6 +378,7 @@ def test_arm_image_is_not_warmed_and_says_so_at_start(arm_image: str) -> None:
     assert "this start compiles the model" in result.stderr, result.stderr
 
 
+@pytest.mark.images_arm
 def test_arm_image_carries_no_build_leftovers(arm_image: str) -> None:
     venv = "/opt/spark-edge/venv"
     # Its site-packages come from the build host (pip --target): no wheels, pip, cache or host scripts.
@@ -433,6 +438,7 @@ def arm_cpuinfo(arm_image: str, tmp_path_factory: pytest.TempPathFactory) -> lis
     return ["-v", f"{path}:/proc/cpuinfo:ro"]
 
 
+@pytest.mark.images_arm
 def test_arm_w4a16_kernel_tests_pass_under_emulation(arm_image: str, pytest_for_image: Path,
                                                      arm_cpuinfo: list[str]) -> None:
     mounts = ["-v", f"{REPO / 'tests'}:/work/tests:ro", "-v", f"{pytest_for_image}:/work/pylib:ro",
