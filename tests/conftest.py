@@ -17,8 +17,8 @@ import requests
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 
-SERVER_START_TIMEOUT_S = 900
-SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session server requires it on /v1/*  # a cold start compiles the model: ~100 s here, more on a busy machine
+SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
+SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session's servers require it on /v1/*
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -96,6 +96,18 @@ class Server:
         return self.proc.returncode
 
 
+def running_server(name: str, args: list[str], home: Path, tmp_path_factory: pytest.TempPathFactory,
+                   env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A fixture body: `spark-edge serve ARGS` with the session's API key, ready, stopped afterwards."""
+    log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    server = Server(args, home, log, env=env, api_key=SESSION_API_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`spark-edge serve` as the README runs it (the default model, bf16), shared by the whole session.
@@ -103,13 +115,7 @@ def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: 
     The checkpoint fixture has already built the model where serve looks, so serve's own
     up-to-date check (sha256 against the manifest) is exercised, not a rebuild.
     """
-    log = tmp_path_factory.mktemp("logs") / "bf16_server.log"
-    server = Server(["--weight-path", "bf16"], spark_edge_home, log, api_key=SESSION_API_KEY)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from running_server("bf16_server", ["--weight-path", "bf16"], spark_edge_home, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -118,23 +124,11 @@ def w4a16_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: p
 
     It depends on bf16_server only to be started after it, never beside a cold compile of it.
     """
-    log = tmp_path_factory.mktemp("logs") / "w4a16_server.log"
-    server = Server(["--weight-path", "w4a16"], spark_edge_home, log, api_key=SESSION_API_KEY)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from running_server("w4a16_server", ["--weight-path", "w4a16"], spark_edge_home, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def w4a8_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`spark-edge serve --weight-path w4a8`: vLLM's GPTQ path (the AMX W4A8 kernel where AMX is usable,
     its W4A16 vector kernel elsewhere)."""
-    log = tmp_path_factory.mktemp("logs") / "w4a8_server.log"
-    server = Server(["--weight-path", "w4a8"], spark_edge_home, log, api_key=SESSION_API_KEY)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+    yield from running_server("w4a8_server", ["--weight-path", "w4a8"], spark_edge_home, tmp_path_factory)

@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from conftest import SESSION_API_KEY, Server
+from conftest import Server, running_server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.metrics.process_tree import process_tree
 
@@ -77,30 +77,20 @@ def _greedy_token_ids(server: Server) -> list[list[int]]:
     return ids
 
 
-def _module_server(name: str, args: list[str], env: dict[str, str], home: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = Server(["--weight-path", "w4a16", *args], home, tmp_path_factory.mktemp("logs") / f"{name}.log",
-                    env=env, api_key=SESSION_API_KEY)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def split_server(spark_edge_home: Path, w4a16_server: Server,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """vLLM's own CPU layout: the worker in a process of its own, bound by vLLM to one core."""
-    yield from _module_server("w4a16_split", ["--process-layout", "split"], {}, spark_edge_home, tmp_path_factory)
+    yield from running_server("w4a16_split", ["--weight-path", "w4a16", "--process-layout", "split"],
+                              spark_edge_home, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def engine_one_thread_server(spark_edge_home: Path, split_server: Server,
                              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Our layout computing on one thread, as the split layout's worker does: the layouts compared alone."""
-    yield from _module_server("w4a16_engine_1thread", ["--process-layout", "engine"], {"OMP_NUM_THREADS": "1"},
-                              spark_edge_home, tmp_path_factory)
+    yield from running_server("w4a16_engine_1thread", ["--weight-path", "w4a16", "--process-layout", "engine"],
+                              spark_edge_home, tmp_path_factory, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_default_layout_runs_the_worker_inside_the_engine_core(w4a16_server: Server) -> None:
