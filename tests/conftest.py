@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,10 +39,45 @@ def bf16_checkpoint(spark_edge_home: Path) -> Path:
     return build_checkpoint(None, "bf16", spark_edge_home / "checkpoints" / f"{DEFAULT_MODEL_ID}-bf16").out
 
 
+@pytest.fixture
+def checkpoint_copy(bf16_checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of the session's bf16 build, free to damage."""
+    copy = tmp_path / "copy"
+    shutil.copytree(bf16_checkpoint, copy)
+    return copy
+
+
+def flip_middle_byte(path: Path) -> None:
+    """One bit of the file's middle byte inverted, size unchanged: only a digest can tell."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def single_process_tp_group() -> Iterator[None]:
+    """A fixture body: a single-process tensor-parallel group, what vLLM's layers ask for at
+    construction; torn down afterwards unless something else had already set one up."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(VllmConfig()):
+        owned = not ps.model_parallel_is_initialized()
+        if owned:
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ps.initialize_model_parallel(1, 1)
+        yield
+        if owned:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
 
 
 class Server:

@@ -16,6 +16,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from safetensors import safe_open
 
+from conftest import flip_middle_byte
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import default_gguf
 from spark_edge.checkpoints.errors import CheckpointError
@@ -121,20 +122,8 @@ def test_second_build_is_a_no_op(bf16_checkpoint: Path) -> None:
     assert {p.name: p.stat().st_mtime_ns for p in bf16_checkpoint.iterdir()} == before
 
 
-@pytest.fixture
-def checkpoint_copy(bf16_checkpoint: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "copy"
-    shutil.copytree(bf16_checkpoint, copy)
-    return copy
-
-
 def test_manifest_catches_a_flipped_byte(checkpoint_copy: Path) -> None:
-    weights = checkpoint_copy / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.seek(weights.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_middle_byte(checkpoint_copy / "model.safetensors")
     with pytest.raises(CheckpointError, match="sha256"):
         verify_checkpoint(checkpoint_copy)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import flip_middle_byte
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
@@ -34,41 +35,26 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
     return {p.name: (p.stat().st_size, file_sha256(p)) for p in sorted(folder.iterdir())}
 
 
-@pytest.fixture
-def user_copy(bf16_checkpoint: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "my-model"
-    shutil.copytree(bf16_checkpoint, copy)
-    return copy
-
-
 def _truncate(path: Path) -> None:
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
 
 
-def _flip(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-@pytest.mark.parametrize("damage, says", [(_truncate, "the manifest says"), (_flip, "does not match its sha256")])
+@pytest.mark.parametrize("damage, says", [(_truncate, "the manifest says"), (flip_middle_byte, "does not match its sha256")])
 def test_a_damaged_user_checkpoint_is_refused_with_exit_3_and_left_as_it_is(
-        user_copy: Path, tmp_path: Path, damage, says: str) -> None:
-    damage(user_copy / "model.safetensors")
-    before = _snapshot(user_copy)
-    run = _serve(tmp_path / "home", "--model", str(user_copy))
+        checkpoint_copy: Path, tmp_path: Path, damage, says: str) -> None:
+    damage(checkpoint_copy / "model.safetensors")
+    before = _snapshot(checkpoint_copy)
+    run = _serve(tmp_path / "home", "--model", str(checkpoint_copy))
     assert run.returncode == 3, run.stderr[-3000:]
-    assert f"{user_copy}: model.safetensors" in run.stderr and says in run.stderr
-    assert _snapshot(user_copy) == before  # nothing rewritten, nothing added
+    assert f"{checkpoint_copy}: model.safetensors" in run.stderr and says in run.stderr
+    assert _snapshot(checkpoint_copy) == before  # nothing rewritten, nothing added
     assert not (tmp_path / "home" / "checkpoints").exists()  # and nothing built in its place
 
 
-def test_a_corrupt_manifest_is_refused_with_exit_3(user_copy: Path, tmp_path: Path) -> None:
-    (user_copy / MANIFEST_NAME).write_text('{"format": "spark-edge-checkpoint/1", "files": {"model.safe')
-    run = _serve(tmp_path / "home", "--model", str(user_copy))
+def test_a_corrupt_manifest_is_refused_with_exit_3(checkpoint_copy: Path, tmp_path: Path) -> None:
+    (checkpoint_copy / MANIFEST_NAME).write_text('{"format": "spark-edge-checkpoint/1", "files": {"model.safe')
+    run = _serve(tmp_path / "home", "--model", str(checkpoint_copy))
     assert run.returncode == 3 and "corrupt manifest" in run.stderr, run.stderr[-3000:]
 
 
@@ -77,7 +63,7 @@ def test_a_damaged_build_in_the_data_folder_is_rebuilt(bf16_checkpoint: Path, tm
     own = home / "checkpoints" / f"{DEFAULT_MODEL_ID}-bf16"
     shutil.copytree(bf16_checkpoint, own)
     intact = _snapshot(own)
-    _flip(own / "model.safetensors")
+    flip_middle_byte(own / "model.safetensors")
     run = _serve(home)
     assert "rebuilding (corrupt:" in run.stderr and "model.safetensors" in run.stderr, run.stderr[-3000:]
     assert run.returncode == 5, run.stderr[-3000:]  # then the plan, as always, and only then vLLM

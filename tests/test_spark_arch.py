@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
 
+from conftest import single_process_tp_group
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
@@ -272,22 +272,7 @@ def test_w4a8_build_splits_qkv_and_unties_a_4bit_head(builds: dict[str, Path]) -
 @pytest.fixture(scope="class")
 def vllm_tp1() -> Iterator[None]:
     """A single-process tensor-parallel group: what vLLM's layers ask for at construction."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    with set_current_vllm_config(VllmConfig()):
-        owned = not ps.model_parallel_is_initialized()
-        if owned:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"tcp://127.0.0.1:{port}")
-            ps.initialize_model_parallel(1, 1)
-        yield
-        if owned:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+    yield from single_process_tp_group()
 
 
 def _snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import single_process_tp_group
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.hf_source import HFSource
 from spark_edge.quant import gptq_layout as gl
@@ -419,28 +419,11 @@ def test_unsupported_sources_are_refused(tmp_path: Path, change: Any, match: str
 # ----------------------------------------------------------------------------- vLLM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def vllm_tp1() -> Iterator[None]:
     """A single-process tensor-parallel group: what vLLM's layers ask for at construction."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    with set_current_vllm_config(VllmConfig()):
-        owned = not ps.model_parallel_is_initialized()
-        if owned:
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-            ps.initialize_model_parallel(1, 1)
-        yield
-        if owned:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+    yield from single_process_tp_group()
 
 
 def _gptq_config(group_size: int) -> Any:
