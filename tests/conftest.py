@@ -21,6 +21,13 @@ from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
 SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session's servers require it on /v1/*
 
+# Knowledge is asserted through log-probs with a margin, never through free-form text: a 135M model's
+# greedy continuation tips over on the rounding of the host's bf16 GEMMs (AMX tiles, AVX512-BF16 and
+# AVX-512 without BF16 all round differently), while " Paris" stays the likely next token on all of them.
+PARIS_PROMPT = "The capital of France is"
+PARIS_TOP_K = 5  # " Paris" must be among the first this many next tokens ...
+PARIS_MIN_LOGPROB = -2.5  # ... with at least this log-prob (p >= 0.08)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Image tests first: their time-to-ready ratios are measured before this session's own servers
@@ -103,6 +110,20 @@ class Server:
 
     def post(self, path: str, body: dict, **kw) -> requests.Response:
         return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=kw.pop("timeout", 300), **kw)
+
+    def next_token_logprobs(self, prompt: str | list[str], model: str, k: int = PARIS_TOP_K) -> list[dict[str, float]]:
+        """The top-k next tokens (decoded text -> log-prob) after each prompt, one generated token."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": k}
+        reply = self.post("/v1/completions", body)
+        assert reply.status_code == 200, reply.text
+        choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+        return [c["logprobs"]["top_logprobs"][0] for c in choices]
+
+    def assert_knows_paris(self, model: str, prompts: int = 1) -> None:
+        """" Paris" after PARIS_PROMPT, with the margin above; `prompts` copies in one request (a batch)."""
+        batch = [PARIS_PROMPT] * prompts if prompts > 1 else PARIS_PROMPT
+        for top in self.next_token_logprobs(batch, model):
+            assert " Paris" in top and top[" Paris"] >= PARIS_MIN_LOGPROB, f"next tokens: {top}"
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

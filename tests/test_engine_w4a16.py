@@ -17,11 +17,8 @@ pytestmark = pytest.mark.engine
 MAX_PERPLEXITY_RATIO = 1.10
 
 
-def test_w4a16_completes_paris(w4a16_server: Server) -> None:
-    body = {"model": DEFAULT_MODEL_ID, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    reply = w4a16_server.post("/v1/completions", body)
-    assert reply.status_code == 200, reply.text
-    assert "Paris" in reply.json()["choices"][0]["text"]
+def test_w4a16_knows_paris(w4a16_server: Server) -> None:
+    w4a16_server.assert_knows_paris(DEFAULT_MODEL_ID)
 
 
 def test_w4a16_runs_through_cpu_int4(w4a16_server: Server) -> None:
@@ -31,12 +28,7 @@ def test_w4a16_runs_through_cpu_int4(w4a16_server: Server) -> None:
 
 
 def test_w4a16_batched_requests_take_the_multi_row_path(w4a16_server: Server) -> None:
-    body = {"model": DEFAULT_MODEL_ID, "prompt": ["The capital of France is", "The capital of France is"],
-            "max_tokens": 6, "temperature": 0}
-    reply = w4a16_server.post("/v1/completions", body)
-    assert reply.status_code == 200, reply.text
-    texts = [c["text"] for c in reply.json()["choices"]]
-    assert len(texts) == 2 and all("Paris" in t for t in texts)
+    w4a16_server.assert_knows_paris(DEFAULT_MODEL_ID, prompts=2)
 
 
 def test_w4a16_perplexity_and_top1_against_bf16(bf16_server: Server, w4a16_server: Server,
