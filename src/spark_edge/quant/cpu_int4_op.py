@@ -1,42 +1,56 @@
-"""The cpu_int4 kernels as opaque custom ops: torch.ops.spark_edge.cpu_int4_{linear,embedding}.
+"""The cpu_int4 GEMM and embedding as opaque custom ops, and the choice of kernel for this host.
 
 Why opaque: the GEMM picks its kernel by the number of activation rows.  Written inline,
 that branch would become a dynamo guard on the batch size inside vLLM's single traced
 graph; inside a custom op the compiled graph sees one call with a fake [M, N] result,
-and the branch runs eagerly at call time.  The embedding lookup is opaque for the same
-reason (its gather is data-dependent and gains nothing from inductor).
+and the branch runs at call time.  The embedding lookup is opaque for the same reason
+(its gather is data-dependent and gains nothing from inductor).
 
-Kernel choice, by activation rows M:
-- M <= ROW_LOOP_MAX_ROWS (8; decode, batched decode of a few streams): PyTorch's tinygemm
-  `_weight_int4pack_mm_for_cpu`, one row per call.  It reads 4.x bits per weight; decode is
-  bandwidth bound, so this is the point of the path.  One row per call, never several: on
-  AMX hosts, tinygemm on a multi-row batch followed by vLLM's CPU attention in the same
-  forward has been seen to die with SIGILL in the attention kernel (AMX tile state); single
-  rows never trip it.  Tinygemm's cost is linear in M anyway, and up to 8 rows the loop
-  beats dequantizing (one core: the 49152-row head at M=4 6.8 ms vs 66 ms, gate_up 0.5 vs 1.3).
-- larger M (prefill): dequantize the weight to bf16 once per call and use oneDNN's GEMM (the
-  dequantization in one C pass, native_dequant.py, where a compiler is present).
+The GEMM is `torch.ops.spark_edge.int4_linear`, a C++ op (native_int4.py) that chooses per call,
+by activation rows M and this host's policy (`host_policy`, set once per process):
+- "native", spark-edge's own int4 GEMM: every weight read from memory once per call whatever
+  M, so batched decode of several streams costs little more than one (its vector path serves
+  the buffer layout of ATen's AVX-512 kernel).  It serves every M up to
+  NATIVE_MAX_ROWS_BF16_HOST (16) on hosts with bf16 GEMM hardware (AVX512-BF16, AMX, arm64
+  BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
+  kernel measured 2-2.5x faster at 512 rows (docs/int4-kernels.md).
+- "tinygemm", PyTorch's `_weight_int4pack_mm_for_cpu`, up to ROW_LOOP_MAX_ROWS (8) rows where the
+  native GEMM has no vector path, one row per call and never several: on AMX hosts, tinygemm on
+  a multi-row batch followed by vLLM's CPU attention in the same forward has been seen to die
+  with SIGILL in the attention kernel (AMX tile state); single rows never trip it.
+- "dequant", above those: the weight dequantized to bf16 in one pass, then oneDNN's GEMM.
+
+Without a compiler (or with SPARK_EDGE_NATIVE_DEQUANT=0) the Python op `cpu_int4_linear` makes the
+same choice without "native", on torch's own ops; it also serves layers that keep their row-major
+checkpoint copy (quantization_config direct_dequant: false).
 
 Only bf16 activations are accepted: the fp32 entry of the tinygemm op has no vectorized
 path (tens of times slower), so a float32 model must fail clearly, not crawl.
 
-The row-major tensors (rm_*) are passed only when a layer keeps its checkpoint copy
-(quantization_config direct_dequant: false); otherwise the multi-row path and the lookup
-decode the kernel buffer itself.  Passing None vs tensors changes the traced graph,
-which is why that switch is a config field (hashed into vLLM's compile-cache key).
+Passing None vs the row-major tensors (rm_*) changes the traced graph, which is why that switch
+is a config field (hashed into vLLM's compile-cache key).
 """
 
+import functools
+import os
+import platform
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch.library import Library
 
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
-from spark_edge.quant.native_dequant import dequantize_kernel_weight_t
-from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, gather_kernel_rows
+from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
+from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, gather_kernel_rows
 
 NAMESPACE = "spark_edge"
-ROW_LOOP_MAX_ROWS = 8  # up to this many rows: tinygemm one row at a time; more: dequant + oneDNN
+ROW_LOOP_MAX_ROWS = 8  # without the native GEMM, up to this many rows: tinygemm one row at a time
+NATIVE_MAX_ROWS_BF16_HOST = 16  # with bf16 GEMM hardware, more rows than this go to oneDNN (prefill)
+# SPARK_EDGE_NATIVE_GEMM=0: the previous kernels (tinygemm row loop, C dequantization + oneDNN), for
+# side-by-side benchmarks (`spark-edge bench --paths w4a16,w4a16+tinygemm`)
+NATIVE_GEMM_SWITCH = "SPARK_EDGE_NATIVE_GEMM"
+BF16_GEMM_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 flags, arm64 hwcap name
 
 _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
@@ -62,6 +76,30 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_gemm_hardware() -> bool:
+    """Whether oneDNN's bf16 GEMM runs on bf16 hardware here (then it wins at prefill sizes)."""
+    from spark_edge.probe.cpu_features import probe_cpu_features
+
+    return bool(probe_cpu_features(Path("/"), platform.machine()).names & BF16_GEMM_FEATURES)
+
+
+def host_policy() -> tuple[int, int]:
+    """(native_max_rows, row_loop_max_rows) for this host: the native GEMM up to the first (-1: every M,
+    0: never), tinygemm one row at a time up to the second, dequantization + oneDNN above."""
+    if os.environ.get(NATIVE_GEMM_SWITCH, "1") == "0" or not native_gemm_vectorized():
+        return 0, ROW_LOOP_MAX_ROWS
+    return (NATIVE_MAX_ROWS_BF16_HOST if _bf16_gemm_hardware() else -1), ROW_LOOP_MAX_ROWS
+
+
+def kernel_for(m: int) -> str:
+    """"native", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation rows."""
+    native_max, row_loop_max = host_policy()
+    if native_max < 0 or m <= native_max:
+        return "native"
+    return "tinygemm" if m <= row_loop_max else "dequant"
+
+
 def _tinygemm(row: torch.Tensor, weight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     """One activation row through PyTorch's int4 kernel (only ever one: see the module docstring)."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(row.contiguous(), weight, group_size, scales_zeros)
@@ -81,8 +119,6 @@ def cpu_int4_linear(
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, weight.shape[0]))
-    if m == 1:  # batch-1 decode: the hot path, kept free of Python work
-        return _tinygemm(x, weight, group_size, scales_zeros)
     if m <= ROW_LOOP_MAX_ROWS:
         return torch.cat([_tinygemm(x[i : i + 1], weight, group_size, scales_zeros) for i in range(m)])
     weight_t = dequantize_kernel_weight_t(weight, scales_zeros, group_size) if rm_packed is None else None
@@ -137,8 +173,15 @@ def _registered(name: str) -> bool:
     return hasattr(getattr(torch.ops, NAMESPACE), name)
 
 
-def register_ops() -> None:
-    """Define the ops once per process (a second call is a no-op)."""
+def native_linear_available() -> bool:
+    """Whether torch.ops.spark_edge.int4_linear is loaded and configured for this host."""
+    return register_ops()
+
+
+@functools.lru_cache(maxsize=None)
+def register_ops() -> bool:
+    """Define the Python ops and load the C++ ones with this host's policy, once per process (a second
+    call is a no-op); True when the C++ int4_linear serves."""
     from vllm.utils.torch_utils import direct_register_custom_op
 
     for name, impl, fake in (
@@ -147,3 +190,7 @@ def register_ops() -> None:
     ):
         if not _registered(name):
             direct_register_custom_op(name, impl, fake_impl=fake, target_lib=_lib, dispatch_key="CPU")
+    if not load_native_ops():
+        return False
+    torch.ops.spark_edge.int4_configure(detect_layout().block, detect_layout().halves, *host_policy())
+    return True

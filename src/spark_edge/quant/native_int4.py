@@ -1,40 +1,46 @@
-"""One-pass dequantization of the int4 kernel buffer for multi-row GEMMs, in C, built on the host.
+"""spark-edge's C++ ops for the int4 kernel buffer, built on the host and loaded into torch.ops.spark_edge.
 
-The multi-row path (prefill, batched decode) dequantizes every weight once per forward.  Done
-with torch elementwise ops that takes about eight passes over [N, K] temporaries (~2 ns per
-weight on one core here, more than the bf16 GEMM it feeds); the C loop in native/int4_dequant.c
-does it in one pass.  It is compiled on first use with the host's C compiler (the one Inductor
-already needs), `-march=native`, into the data folder under a key of the source, the flags, the
-compiler and the CPU's flags, so a library built on another CPU is never loaded (a cache volume
-moved between hosts cannot cause an illegal instruction).  Before use it is checked bit for bit
-against the reference dequantizer; if there is no compiler, the build fails, or the check fails,
-the torch path is used and a warning says why.
+- `int4_linear(x, weight, scales_zeros, group)`: the cpu_int4 GEMM, whose kernel is chosen in C++ per call
+  by the activation rows and the host policy set once per process (`int4_configure`, see cpu_int4_op.py):
+  spark-edge's own `int4_gemm` (native/int4_gemm.cpp: each 4-bit weight read from memory once per call
+  whatever M), ATen's tinygemm one row at a time, or the whole weight dequantized and ATen's mm.
+- `int4_gemm`, `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
 
-SPARK_EDGE_NATIVE_DEQUANT=0 turns it off (for side-by-side benchmarks).
+The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
+against the running torch's headers and libraries) into the data folder, under a key of the sources, the
+flags, the compiler, torch's version and the CPU's flags, so a library built on another CPU is never
+loaded (a cache volume moved between hosts cannot cause an illegal instruction). `make`, `spark-edge warm`
+and the image build compile it before anything serves. After loading, the kernels are checked against
+the reference (the dequantization bit for bit, the GEMM within its stated tolerance of float64); if
+there is no compiler, the build fails, or a check fails, the torch paths of cpu_int4_op.py serve and a
+warning says why.
+
+SPARK_EDGE_NATIVE_DEQUANT=0 turns the library off (for side-by-side benchmarks).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from spark_edge.paths import spark_edge_home
+from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "native" / "int4_dequant.c"
-SYMBOL = "spark_edge_int4_dequant_t"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
-ENV_SWITCH = "SPARK_EDGE_NATIVE_DEQUANT"
+NATIVE_DIR = Path(__file__).parent / "native"
+SOURCES = tuple(NATIVE_DIR / name for name in ("int4_ops.cpp", "int4_gemm.cpp", "int4_dequant.cpp"))
+HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h"))
+LIBRARY_NAME = "spark_edge_int4.so"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
 class _Unavailable(Exception):
@@ -51,99 +57,159 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise _Unavailable("no C compiler on PATH")
-    return cc
+    cxx = cxx_compiler()
+    if not cxx:
+        raise _Unavailable("no C++ compiler on PATH")
+    return cxx
 
 
-def _build_key(cc: str) -> str:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
-             platform.machine().encode())
+def _torch_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [*(f"-I{p}" for p in cpp_extension.include_paths()), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+
+
+def _build_key(cxx: str) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = (*(s.read_bytes() for s in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
+             torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _writable_kernel_dir() -> Path:
-    for base in (spark_edge_home() / "kernels", Path(tempfile.gettempdir()) / "spark-edge-kernels"):
-        try:
-            base.mkdir(parents=True, exist_ok=True)
-            if os.access(base, os.W_OK):
-                return base
-        except OSError:
-            continue
-    raise _Unavailable("no writable folder for the compiled kernel")
+def _kernel_dirs() -> tuple[Path, ...]:
+    """Where libraries are looked for, in order, and built into (the first writable): beside the
+    environment (`make`, the image build), the data folder (an image run on another CPU), /tmp."""
+    return (Path(sys.prefix) / "share" / "spark-edge" / "kernels", spark_edge_home() / "kernels",
+            Path(tempfile.gettempdir()) / "spark-edge-kernels")
 
 
-def _build() -> Path:
-    cc = _compiler()
-    target = _writable_kernel_dir() / _build_key(cc) / "int4_dequant.so"
-    if target.is_file():
-        return target
+def _writable(base: Path) -> bool:
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        return os.access(base, os.W_OK)
+    except OSError:
+        return False
+
+
+def build_library() -> Path:
+    """The compiled library for this host (built now if missing: about 20 s)."""
+    cxx = _compiler()
+    key = _build_key(cxx)
+    for base in _kernel_dirs():
+        if (base / key / LIBRARY_NAME).is_file():
+            return base / key / LIBRARY_NAME
+    base = next((b for b in _kernel_dirs() if _writable(b)), None)
+    if base is None:
+        raise _Unavailable("no writable folder for the compiled kernel")
+    target = base / key / LIBRARY_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
+    cmd = [cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp), *_torch_flags()]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise _Unavailable(f"{cc} failed: {result.stderr.strip()[-500:]}")
+        raise _Unavailable(f"{cxx} failed: {result.stderr.strip()[-800:]}")
     os.replace(tmp, target)  # atomic: a concurrent process sees the old name or the whole library
     return target
 
 
-def _load(path: Path) -> ctypes._CFuncPtr:
-    fn = getattr(ctypes.CDLL(str(path)), SYMBOL)
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-    return fn
+@functools.lru_cache(maxsize=None)
+def _load_library() -> None:
+    """Load this host's library into torch.ops.spark_edge (once per process: a library is never unloaded)."""
+    torch.ops.load_library(str(build_library()))
+    _register_fakes()
 
 
-def _call(fn: ctypes._CFuncPtr, buf: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    from spark_edge.quant.tinygemm_layout import detect_layout
+def _register_fakes() -> None:
+    """Meta implementations, so torch.compile traces the ops by shape alone."""
 
-    layout = detect_layout()
-    n, half_k = buf.shape
-    k = half_k * 2
-    out = torch.empty((k, n), dtype=torch.bfloat16)
-    fn(buf.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group_size, layout.block, int(layout.halves))
-    return out
+    @torch.library.register_fake("spark_edge::int4_linear")
+    def _linear_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("spark_edge::int4_gemm")
+    def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("spark_edge::int4_dequant_t")
+    def _dequant_fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return scales_zeros.new_empty((weight.shape[1] * 2, weight.shape[0]))
 
 
-def _self_check(fn: ctypes._CFuncPtr) -> None:
-    """Bit-exact against the reference on full blocks plus a 16-channel tail (in every known
-    layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups."""
-    from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, pack_for_kernel, scales_and_zeros
+def gemm_within_tolerance(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `got` (bf16 [M, N]) is x @ weight^T to the GEMM's stated accuracy, weight being the exact
+    dequantized fp32 [N, K] ((q - 8) * scale + zero, never rounded to bf16 by the kernel).
 
+    Bound per element: half a bf16 ulp of the result (2^-9 relative, 2^-8 allowed) plus fp32 accumulation
+    error, 2^-12 of sum_k |x_k w_k| (a K = 8192 dot product in fp32 stays far inside it; one misplaced
+    nibble in a K = 64 row costs percents of it)."""
+    reference = x.double() @ weight.double().t()
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    return bool(torch.all((got.double() - reference).abs() <= reference.abs() * 2.0**-8 + magnitude * 2.0**-12))
+
+
+def _self_check() -> None:
+    """The dequantization bit-exact, the GEMM within its tolerance of float64, on full blocks plus a
+    16-channel tail (in every known layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups, row
+    counts on both sides of the vector path's 8-row tile."""
+    from spark_edge.quant.int4_asym import dequantize
+    from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, kernel_codes, pack_for_kernel, \
+        scales_and_zeros
+
+    ops = torch.ops.spark_edge
     gen = torch.Generator().manual_seed(0)
     n, k, group = 80, 128, 32
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-4).to(torch.bfloat16)
     zero = (torch.randn(n, k // group, generator=gen) * 0.05).to(torch.bfloat16)
     buf, sz = pack_for_kernel(packed), scales_and_zeros(scale, zero)
-    want = dequantize_kernel_weight(buf, sz, group).t()
-    if not torch.equal(_call(fn, buf, sz, group).view(torch.int16), want.contiguous().view(torch.int16)):
-        raise _Unavailable("the compiled kernel disagrees with the reference dequantizer")
+    want = dequantize_kernel_weight(buf, sz, group)
+    if not torch.equal(ops.int4_dequant_t(buf, sz, group).view(torch.int16), want.t().contiguous().view(torch.int16)):
+        raise _Unavailable("the compiled dequantization disagrees with the reference dequantizer")
+    x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
+    if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, dequantize(kernel_codes(buf), scale, zero, group)):
+        raise _Unavailable("the compiled int4 GEMM disagrees with the float64 reference")
 
 
 @functools.lru_cache(maxsize=None)
-def native_kernel() -> ctypes._CFuncPtr | None:
-    """The checked C function, or None (torch fallback) with one warning saying why."""
+def load_native_ops() -> bool:
+    """Build (if needed), load, configure for this host's buffer layout and check the ops; False (the torch
+    paths serve) with one warning saying why."""
+    from spark_edge.quant.tinygemm_layout import detect_layout
+
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
+        return False
     try:
-        fn = _load(_build())
-        _self_check(fn)
-        return fn
-    except (_Unavailable, OSError, subprocess.SubprocessError) as exc:
-        log.warning("spark-edge: native int4 dequantization unavailable (%s); using the slower torch path", exc)
-        return None
+        _load_library()
+        layout = detect_layout()
+        torch.ops.spark_edge.int4_configure(layout.block, layout.halves, 0, 0)  # the kernels alone, for the check
+        _self_check()
+        return True
+    except (_Unavailable, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("spark-edge: native int4 kernels unavailable (%s); using the slower torch paths", exc)
+        return False
+
+
+def native_gemm_vectorized() -> bool:
+    """Whether the GEMM has its vector path for this host's buffer layout (elsewhere its portable loop is
+    correct but slower than tinygemm, so it is not chosen)."""
+    from spark_edge.quant.tinygemm_layout import detect_layout
+
+    layout = detect_layout()
+    return load_native_ops() and bool(torch.ops.spark_edge.int4_native_vectorized(layout.block, layout.halves))
 
 
 def dequantize_kernel_weight_t(buf: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """bf16 W^T [K, N] from the kernel buffer uint8 [N, K/2] and scales_and_zeros bf16 [G, N, 2], or None."""
-    fn = native_kernel()
-    if fn is None:
-        return None
-    if not (buf.is_contiguous() and sz.is_contiguous() and buf.dtype == torch.uint8 and sz.dtype == torch.bfloat16):
-        raise ValueError("int4 dequantization needs the contiguous uint8 buffer and bf16 scales_and_zeros")
-    return _call(fn, buf, sz, group_size)
+    """bf16 W^T [K, N] from the kernel buffer uint8 [N, K/2] and scales_and_zeros bf16 [G, N, 2], or None
+    without the library."""
+    return torch.ops.spark_edge.int4_dequant_t(buf, sz, group_size) if load_native_ops() else None
+
+
+if __name__ == "__main__":  # `make` and the image build: compile and check this host's library ahead of serving
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if load_native_ops():
+        print(f"spark-edge: int4 kernels ready: {build_library()}")
+    else:
+        print("spark-edge: int4 kernels not built here: the torch paths will serve (see the warning above)")

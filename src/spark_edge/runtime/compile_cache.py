@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from spark_edge.quant.native_switch import native_ops_wanted
+
 _LOG = logging.getLogger("vllm.spark_edge.compile_cache")
 
 STAMP_FILE = "spark_edge_cache_stamp.json"
@@ -61,6 +63,9 @@ def cache_stamp(features: list[str], weight_path: str) -> dict[str, Any]:
         "torch": _distribution_version("torch"),
         "vllm": _distribution_version("vllm"),
         "weight_path": weight_path,
+        # the cpu_int4 layers call the C++ int4_linear where it can be built, the Python op elsewhere:
+        # a graph compiled with one must never be loaded where the other serves
+        "int4_ops": "native" if native_ops_wanted() else "torch",
     }
 
 

@@ -15,22 +15,13 @@
  * Threads: OpenMP over rows of W^T. Built with -fopenmp against libgomp.so.1, the runtime torch has
  * already loaded (same soname), so this runs on torch's own thread pool and its core binding.
  */
-#include <stdint.h>
-#include <string.h>
+#include "bf16.h"
+#include "int4_kernels.h"
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include <cstdint>
+#include <cstring>
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN, as c10::BFloat16 does */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+namespace spark_edge {
 
 static inline uint16_t dq(uint32_t code, const uint16_t *sz_pair) {
     return float_to_bf16((float)((int32_t)code - 8) * bf16_to_float(sz_pair[0]) + bf16_to_float(sz_pair[1]));
@@ -53,8 +44,8 @@ static inline void dq_halves(const uint8_t *src, const uint16_t *s, uint16_t *o,
     }
 }
 
-void spark_edge_int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t *out,
-                               int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
+void int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t *out,
+                    int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
     const int64_t blocks = n / block, full = blocks * block, tail = n - full;
     const uint8_t *tail_buf = buf + full * (k / 2);
 #pragma omp parallel for schedule(static)
@@ -71,3 +62,5 @@ void spark_edge_int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t 
         if (tail) dq_adjacent(tail_buf + kk * (tail / 2), sz_row + full * 2, o + full, tail);
     }
 }
+
+}  // namespace spark_edge

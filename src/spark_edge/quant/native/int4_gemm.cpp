@@ -2,7 +2,7 @@
  * each 4-bit weight from memory once per call whatever M (PyTorch's tinygemm is run one row at a time
  * on this path, so M rows read the weights M times).
  *
- * Buffer layout as in int4_dequant.c (detected on the running torch by tinygemm_layout.py): full blocks
+ * Buffer layout as in int4_dequant.cpp (detected on the running torch by tinygemm_layout.py): full blocks
  * of `block` output channels, each [K][block/2] bytes, then a tail block of r = N mod block channels
  * laid out [K][r/2] in adjacent pairs. scales_and_zeros is bf16 [G][N][2] (scale, zero), G = K / group,
  * and a weight is (q - 8) * scale + zero.
@@ -23,9 +23,12 @@
  * Built with -fopenmp against libgomp.so.1, the runtime torch has already loaded, so the threads are
  * torch's own pool.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "bf16.h"
+#include "int4_kernels.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -33,19 +36,7 @@
 #define ROWS 8 /* activation rows per pass over a unit's weights (registers: 2 x ROWS accumulators) */
 #define SZ_PREFETCH 8 /* groups ahead whose scales are prefetched */
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN, as c10::BFloat16 does */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+namespace spark_edge {
 
 /* One output channel, all rows, any layout: byte of K step k at base + k * run, nibble at `shift`. */
 static void channel_portable(const float *xf, const float *xsum, int64_t m, int64_t k, int64_t group,
@@ -182,23 +173,20 @@ static void unit_avx512(const float *xf, const float *xsum, int64_t m, int64_t k
 }
 #endif
 
-/* 1 when this build has the vector path for (block, halves), else 0 (the portable loop serves it). */
-int spark_edge_int4_gemm_vectorized(int64_t block, int64_t halves) {
+bool int4_gemm_vectorized(int64_t block, int64_t halves) {
 #ifdef __AVX512F__
     return block == 64 && halves;
 #else
     (void)block, (void)halves;
-    return 0;
+    return false;
 #endif
 }
 
-/* x bf16 [M][K], buf uint8 [N][K/2] (kernel buffer), sz bf16 [G][N][2] -> out bf16 [M][N]. Returns 0, or -1
- * if the fp32 scratch (M*K + M*G floats) could not be allocated. */
-int spark_edge_int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out,
-                         int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
+bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+               int64_t k, int64_t group, int64_t block, int64_t halves) {
     const int64_t groups = k / group;
     float *xf = (float *)malloc(sizeof(float) * (size_t)(m * k + m * groups));
-    if (!xf) return -1;
+    if (!xf) return false;
     float *xsum = xf + m * k;
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
@@ -206,7 +194,7 @@ int spark_edge_int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const
             for (int64_t kk = g * group; kk < (g + 1) * group; kk++) s += (xf[r * k + kk] = bf16_to_float(x[r * k + kk]));
             xsum[r * groups + g] = s;
         }
-    const int64_t vector_channels = spark_edge_int4_gemm_vectorized(block, halves) ? n / block * block : 0;
+    const int64_t vector_channels = int4_gemm_vectorized(block, halves) ? n / block * block : 0;
     const int64_t units = vector_channels / 32, rest = n - vector_channels;
 #pragma omp parallel
     {
@@ -224,5 +212,7 @@ int spark_edge_int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const
     }
     (void)units;
     free(xf);
-    return 0;
+    return true;
 }
+
+}  // namespace spark_edge

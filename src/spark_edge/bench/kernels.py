@@ -1,0 +1,106 @@
+"""`spark-edge bench --kernels`: the int4 GEMM kernels side by side on a model's own shapes, in one process.
+
+For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
+time of one call of: spark-edge's native GEMM, PyTorch's tinygemm one row at a time (the previous
+decode path), the weight dequantized to bf16 + oneDNN (the previous prefill path), and bf16's own GEMM
+on the same weight (what the bf16 weight path runs). Kernels are interleaved round by round and the
+best round kept, so a noisy neighbour slows them alike. Writes a markdown table naming the host
+(docs/int4-kernels.md is this table, regenerated with `spark-edge bench --kernels --kernels-out ...`).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROWS = (1, 2, 4, 8, 16, 64, 512)
+ROUNDS = 5
+TINYGEMM_MAX_ROWS = 16
+
+
+def model_shapes(config: dict) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the linear layers of one decoder block, and the head, from a Llama-style config."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads)
+    return [("qkv_proj", (heads + 2 * kv) * head_dim, hidden), ("o_proj", hidden, heads * head_dim),
+            ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter), ("lm_head", config["vocab_size"], hidden)]
+
+
+def _time(fn: Callable[[], object], budget_s: float) -> float:
+    fn()  # warm: first-touch, thread pool
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or calls >= 200:
+            return elapsed / calls
+
+
+def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...] = ROWS) -> list[dict]:
+    from spark_edge.quant import cpu_int4_op
+    from spark_edge.quant import tinygemm_layout as tl
+
+    if not cpu_int4_op.register_ops():
+        raise RuntimeError("the native int4 ops are not available on this host (see the warning above)")
+    ops = torch.ops.spark_edge
+    results = []
+    for name, n, k in shapes:
+        gen = torch.Generator().manual_seed(0)
+        buf = tl.pack_for_kernel(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
+        sz = tl.scales_and_zeros((torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+                                 (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16))
+        weight_t = ops.int4_dequant_t(buf, sz, group)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            kernels = {
+                "native": lambda: ops.int4_gemm(x, buf, sz, group),
+                "tinygemm_rows": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x[i:i + 1], buf, group, sz)
+                                          for i in range(m)],
+                "dequant_mm": lambda: torch.mm(x, ops.int4_dequant_t(buf, sz, group)),
+                "bf16_mm": lambda: torch.mm(x, weight_t),
+            }
+            if m > TINYGEMM_MAX_ROWS:  # never run row by row at prefill sizes (seconds per call on the head)
+                del kernels["tinygemm_rows"]
+            budget = 0.02 if m * n * k < 2**28 else 0.1
+            best = dict.fromkeys(kernels, float("inf"))
+            for _ in range(ROUNDS):
+                for key, fn in kernels.items():
+                    best[key] = min(best[key], _time(fn, budget))
+            results.append({"layer": name, "n": n, "k": k, "rows": m, **{f"{k_}_ms": v * 1e3 for k_, v in best.items()}})
+    return results
+
+
+def host_line() -> str:
+    from spark_edge.probe.device import probe_device
+
+    profile = probe_device()
+    return (f"{profile.cpu_model or platform.processor()}, {profile.cpus.usable_cores} usable cores, "
+            f"features: {' '.join(sorted(profile.features)) or 'none'}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def format_markdown(results: list[dict], model: str, group: int) -> str:
+    lines = [f"Model: {model}, group {group}. Host: {host_line()}.", "",
+             "| layer | N x K | rows | native ms | tinygemm rows ms | dequant + mm ms | bf16 mm ms | native vs best other |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "bf16_mm_ms") if key in r]
+        tinygemm = f"{r['tinygemm_rows_ms']:.3f}" if "tinygemm_rows_ms" in r else "-"
+        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | {tinygemm} | "
+                     f"{r['dequant_mm_ms']:.3f} | {r['bf16_mm_ms']:.3f} | {min(others) / r['native_ms']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def run_kernel_bench(config: dict, model: str, group: int, out: Path | None) -> str:
+    table = format_markdown(measure(model_shapes(config), group), model, group)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(("\n" if out.stat().st_size else "") + table)
+    return table

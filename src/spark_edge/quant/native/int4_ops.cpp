@@ -1,0 +1,124 @@
+/* torch.ops.spark_edge.int4_linear and friends: the cpu_int4 GEMM as a C++ op, so the compiled graph calls
+ * it with no Python between layers. Which kernel runs is decided per call by the activation rows M and the
+ * host policy that Python sets once per process (int4_configure), from the buffer layout it detected and the
+ * host's ISA (see cpu_int4_op.py for the reasons):
+ *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
+ *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
+ *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
+ * The fake (meta) implementation is registered from Python (native_int4.py).
+ */
+#include "int4_kernels.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <vector>
+
+namespace spark_edge {
+namespace {
+
+struct Policy {
+    int64_t block = 0;  // buffer layout: channels per full block (0 = not configured)
+    bool halves = false;
+    int64_t native_max_rows = 0;  // native GEMM up to this many rows (-1: every M; 0: never)
+    int64_t row_loop_max_rows = 0;  // then tinygemm one row at a time up to this many; dequant + mm above
+};
+
+std::atomic<Policy *> policy{nullptr};
+
+const uint16_t *u16(const at::Tensor &t) { return reinterpret_cast<const uint16_t *>(t.data_ptr()); }
+
+void check_buffers(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "cpu_int4 takes bfloat16 activations, got ", x.scalar_type(),
+                "; serve the model with dtype=bfloat16");
+    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && sz.dim() == 3, "int4_linear: x [M, K], weight [N, K/2] and "
+                "scales_zeros [G, N, 2] expected");
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "int4_linear: the weight buffer must "
+                "be contiguous uint8");
+    TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(), "int4_linear: scales_zeros must be "
+                "contiguous bf16");
+    const int64_t n = weight.size(0), k = x.size(1);
+    TORCH_CHECK(group > 0 && k % group == 0 && weight.size(1) * 2 == k, "int4_linear: K=", k, " does not match "
+                "the weight [", n, ", ", weight.size(1), "] and group size ", group);
+    TORCH_CHECK(sz.size(0) == k / group && sz.size(1) == n && sz.size(2) == 2, "int4_linear: scales_zeros ",
+                sz.sizes(), " does not match N=", n, ", K=", k, ", group size ", group);
+}
+
+}  // namespace
+
+void int4_configure(int64_t block, bool halves, int64_t native_max_rows, int64_t row_loop_max_rows) {
+    TORCH_CHECK(block > 0 && block % 16 == 0, "int4_configure: block must be a positive multiple of 16");
+    // set once per process, before the first call; a later call replaces it (the old one is kept alive:
+    // a concurrent caller may still read it)
+    policy.store(new Policy{block, halves, native_max_rows, row_loop_max_rows});
+}
+
+bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
+
+at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = policy.load();
+    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    check_buffers(x_in, weight, sz, group);
+    const at::Tensor x = x_in.contiguous();
+    const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+    at::Tensor out = at::empty({m, n}, x.options());
+    TORCH_CHECK(int4_gemm(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
+                          n, k, group, p->block, p->halves),
+                "int4_gemm: no memory for the fp32 copy of a ", m, " x ", k, " activation");
+    return out;
+}
+
+at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = policy.load();
+    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    const int64_t n = weight.size(0), k = weight.size(1) * 2;
+    check_buffers(at::empty({0, k}, sz.options()), weight, sz, group);
+    at::Tensor out = at::empty({k, n}, sz.options());
+    int4_dequant_t(weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()), n, k, group,
+                   p->block, p->halves);
+    return out;
+}
+
+at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = policy.load();
+    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    check_buffers(x, weight, sz, group);
+    const int64_t m = x.size(0);
+    if (m == 0) return at::empty({0, weight.size(0)}, x.options());
+    if (p->native_max_rows < 0 || m <= p->native_max_rows) return int4_gemm_op(x, weight, sz, group);
+    if (m <= p->row_loop_max_rows) {
+        std::vector<at::Tensor> rows;
+        rows.reserve(m);
+        for (int64_t i = 0; i < m; i++)
+            rows.push_back(at::_weight_int4pack_mm_for_cpu(x.narrow(0, i, 1).contiguous(), weight, group, sz));
+        return at::cat(rows);
+    }
+    return at::mm(x, int4_dequant_t_op(weight, sz, group));
+}
+
+TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
+    m.def("int4_configure(int block, bool halves, int native_max_rows, int row_loop_max_rows) -> ()");
+    m.def("int4_native_vectorized(int block, bool halves) -> bool");
+    m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
+    m.impl("int4_gemm", &int4_gemm_op);
+    m.impl("int4_dequant_t", &int4_dequant_t_op);
+    m.impl("int4_linear", &int4_linear);
+}
+
+TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
+    m.impl("int4_configure", &int4_configure);
+    m.impl("int4_native_vectorized", &int4_native_vectorized);
+}
+
+}  // namespace spark_edge

@@ -1,0 +1,19 @@
+"""Whether spark-edge's C++ int4 ops are wanted and can be built here: cheap (no torch import), so the
+compile-cache stamp can name which op the cpu_int4 layers put into the compiled graph."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+ENV_SWITCH = "SPARK_EDGE_NATIVE_DEQUANT"  # "0": no C++ int4 ops (the torch paths serve)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler the ops are built with ($CXX, else c++ or g++ on PATH), or None."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def native_ops_wanted() -> bool:
+    """The switch is on and a compiler is there (the build itself can still fail: then a warning)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and cxx_compiler() is not None

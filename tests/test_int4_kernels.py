@@ -1,0 +1,182 @@
+"""spark-edge's C++ int4 ops (native_int4.py, native/*.cpp): built from this checkout, each kernel against
+float64, every buffer layout the host can run, the per-host kernel choice, torch.compile, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from spark_edge.quant import cpu_int4_op
+from spark_edge.quant import int4_asym as q4
+from spark_edge.quant import native_int4 as ni
+from spark_edge.quant import tinygemm_layout as tl
+
+BF16 = torch.bfloat16
+ROWS = (1, 2, 3, 4, 7, 8, 15, 16, 17, 64, 512)
+# (N, K): full 64-channel blocks, 16/32/48-channel tails, K of an odd number of groups
+SHAPES = ((128, 256), (80, 96 * 2), (176, 384), (112, 128))
+
+
+@pytest.fixture(scope="module")
+def ops() -> Iterator[object]:
+    if not cpu_int4_op.register_ops():
+        pytest.skip("no C++ compiler here: the torch paths serve (test_cpu_int4.py)")
+    yield torch.ops.spark_edge
+    _configure_host()
+
+
+def _configure_host() -> None:
+    layout = tl.detect_layout()
+    torch.ops.spark_edge.int4_configure(layout.block, layout.halves, *cpu_int4_op.host_policy())
+
+
+def _pack(codes: torch.Tensor, layout: tl.KernelLayout) -> torch.Tensor:
+    """Codes uint8 [N, K] -> a kernel buffer in `layout` (the inverse of tl.kernel_codes), so every layout's
+    path runs on this host whatever ATen packs in."""
+    n, k = codes.shape
+    full = n // layout.block * layout.block
+    parts = []
+    for start, size, halves in [(b, layout.block, layout.halves) for b in range(0, full, layout.block)] + (
+            [(full, n - full, False)] if n > full else []):
+        c = codes[start:start + size].t()  # [K, size]: K outer, channels inner
+        lo, hi = (c[:, : size // 2], c[:, size // 2:]) if halves else (c[:, 0::2], c[:, 1::2])
+        parts.append((lo | (hi << 4)).reshape(-1))
+    return torch.cat(parts).view(n, k // 2)
+
+
+def _case(n: int, k: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // g) * 0.02 + 1e-4).to(BF16)
+    zero = (torch.randn(n, k // g) * 0.05).to(BF16)
+    return codes, scale, zero, q4.dequantize(codes, scale, zero, g)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_a_fresh_checkout_builds_the_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled from the sources in this checkout into an empty folder (what `make` does on a new host)."""
+    monkeypatch.setattr(ni, "_kernel_dirs", lambda: (tmp_path / "kernels",))
+    built = ni.build_library()
+    assert built.is_file() and built.parent.parent == tmp_path / "kernels"
+    assert ni.build_library() == built  # a second call finds it
+
+
+@pytest.mark.parametrize("layout", tl.CANDIDATES[:3], ids=lambda c: c.name)
+def test_layouts_round_trip_through_the_test_packer(layout: tl.KernelLayout) -> None:
+    codes = torch.randint(0, 16, (208, 64), dtype=torch.uint8)
+    assert torch.equal(tl.kernel_codes(_pack(codes, layout), layout), codes)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemm_matches_float64_on_this_hosts_layout(ops: object, n: int, k: int, g: int) -> None:
+    if k % g:
+        pytest.skip("K is not a multiple of this group size")
+    codes, scale, zero, exact = _case(n, k, g)
+    layout = tl.detect_layout()
+    buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
+    assert torch.equal(buf, tl.pack_for_kernel(q4.pack_nibbles(codes)))  # the test packer is ATen's layout
+    for m in ROWS:
+        x = torch.randn(m, k).to(BF16)
+        assert ni.gemm_within_tolerance(ops.int4_gemm(x, buf, sz, g), x, exact), (m, n, k, g)
+
+
+@pytest.mark.parametrize("layout", tl.CANDIDATES[:3], ids=lambda c: c.name)
+def test_gemm_every_layout_and_path(ops: object, layout: tl.KernelLayout) -> None:
+    """AVX-512's (vector path where built), AVX2's and the portable kernel's layouts (portable loop)."""
+    n, k, g = 208, 192, 32
+    codes, scale, zero, exact = _case(n, k, g)
+    buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
+    ops.int4_configure(layout.block, layout.halves, -1, 0)
+    try:
+        for m in ROWS:
+            x = torch.randn(m, k).to(BF16)
+            assert ni.gemm_within_tolerance(ops.int4_gemm(x, buf, sz, g), x, exact), (m, layout)
+        # the dequantization reads the same layout, bit-exact
+        assert torch.equal(ops.int4_dequant_t(buf, sz, g).t(), exact.to(BF16))
+    finally:
+        _configure_host()
+
+
+def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
+    """Scale 1, zero 8 and integer activations: every product and sum is an integer below 2^24, so fp32
+    accumulation is exact and the result is the exact integer dot product (up to bf16 rounding)."""
+    n, k, g = 192, 256, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    for m in (1, 3, 9):
+        x = torch.randint(-4, 5, (m, k)).to(BF16)
+        exact = (x.double() @ codes.double().t()).to(BF16)
+        assert torch.equal(ops.int4_gemm(x, buf, sz, g), exact)
+
+
+def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_max, row_loop = cpu_int4_op.host_policy()
+    if ni.native_gemm_vectorized():
+        assert native_max == (cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op._bf16_gemm_hardware() else -1)
+        assert cpu_int4_op.kernel_for(1) == cpu_int4_op.kernel_for(16) == "native"
+    else:
+        assert native_max == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (16, 8))  # a bf16 host
+    assert [cpu_int4_op.kernel_for(m) for m in (1, 16, 17, 512)] == ["native", "native", "dequant", "dequant"]
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 8))  # no vector path
+    assert [cpu_int4_op.kernel_for(m) for m in (1, 8, 9)] == ["tinygemm", "tinygemm", "dequant"]
+
+
+@pytest.mark.parametrize("policy", [(-1, 0), (16, 8), (0, 8), (0, 0)], ids=["native", "bf16-host", "tinygemm",
+                                                                             "dequant"])
+def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[int, int]) -> None:
+    layout = tl.detect_layout()
+    n, k, g = 576, 256, 32
+    codes, scale, zero, exact = _case(n, k, g)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    ops.int4_configure(layout.block, layout.halves, *policy)
+    try:
+        for m in (1, 4, 8, 9, 16, 40):
+            x = torch.randn(m, k).to(BF16)
+            y = ops.int4_linear(x, buf, sz, g)
+            assert y.shape == (m, n) and y.dtype == BF16
+            # tinygemm and oneDNN round the weight or the products to bf16 on the way: an SNR bound for all
+            assert q4.snr_db(x.double() @ exact.double().t(), y.double()) > 40, (policy, m)
+        assert ops.int4_linear(torch.randn(0, k).to(BF16), buf, sz, g).shape == (0, n)
+    finally:
+        _configure_host()
+
+
+def test_int4_linear_under_torch_compile(ops: object) -> None:
+    """The fake implementation lets dynamo trace the op by shape: one opaque call for every M."""
+    buf = tl.pack_for_kernel(torch.randint(0, 256, (64, 32), dtype=torch.uint8))
+    sz = tl.scales_and_zeros(torch.full((64, 2), 0.01, dtype=BF16), torch.zeros(64, 2, dtype=BF16))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return ops.int4_linear(x, buf, sz, 32) * 2
+
+    compiled = torch.compile(f, backend="eager", dynamic=True, fullgraph=True)
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 64).to(BF16)
+        assert torch.equal(compiled(x), f(x))
+
+
+def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
+    n, k, g = 64, 128, 32
+    buf = torch.zeros(n, k // 2, dtype=torch.uint8)
+    sz = torch.zeros(k // g, n, 2, dtype=BF16)
+    x = torch.randn(2, k).to(BF16)
+    cases = {
+        "bfloat16": (x.float(), buf, sz, g),
+        "does not match the weight": (torch.randn(2, k + 32).to(BF16), buf, sz, g),
+        "scales_zeros": (x, buf, torch.zeros(k // g, n + 16, 2, dtype=BF16), g),
+        "group size": (x, buf, sz, 48),
+        "uint8": (x, buf.to(torch.int32), sz, g),
+    }
+    for message, args in cases.items():
+        for op in (ops.int4_linear, ops.int4_gemm):
+            with pytest.raises(RuntimeError, match=message):
+                op(*args)
