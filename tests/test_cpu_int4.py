@@ -636,3 +636,25 @@ def test_w4a16_writer_drops_a_tied_head_copy_and_refuses_unknown_tensors(tmp_pat
     save_file(tensors, tmp_path / "src" / "model.safetensors")
     with pytest.raises(CheckpointError, match="no rule"):
         write_w4a16(HFSource(tmp_path / "src"), tmp_path / "out2", {})
+
+
+def test_serve_refuses_quantized_tensors_that_do_not_fit_the_config(tmp_path: Path) -> None:
+    """Checked from the safetensors headers before vLLM loads anything: the tensor is named (exit 3)."""
+    from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
+
+    _tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    quant = write_w4a16(HFSource(tmp_path / "src"), out, {})["quantization_config"]
+    check_cpu_int4_tensors(out, {"quantization_config": quant})  # as written: fine
+    with pytest.raises(CheckpointError, match=r"weight_scale has shape \[\d+, \d+\], expected .* group size 64"):
+        check_cpu_int4_tensors(out, {"quantization_config": {**quant, "group_size": 64}})
+    tensors = _read(out)
+    name = next(n for n in tensors if n.endswith("down_proj.weight_zero"))
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        check_cpu_int4_tensors(out, {"quantization_config": quant})
+    (out / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        check_cpu_int4_tensors(out, {"quantization_config": quant})

@@ -128,3 +128,36 @@ def test_serving_ceiling_on_the_host_and_from_the_command_line() -> None:
     assert host.bytes == (10 << 30) + 200 * MiB and "host memory available" in host.source
     explicit = serving_ceiling(_budget(2048 * MiB, 150 * MiB), explicit=3 << 30, own_anon=140 * MiB)
     assert (explicit.bytes, explicit.source) == (3 << 30, "--memory-limit")
+
+
+# -- the baseline calibrated per host (planning/calibration.py) ------------------------------------
+
+
+def test_a_load_peak_over_the_plan_calibrates_the_next_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.planning.calibration import calibrated_baseline, record_load_peak
+    from spark_edge.planning.memory_plan import RUNTIME_BASELINE_BYTES
+
+    monkeypatch.setenv("SPARK_EDGE_HOME", str(tmp_path))
+    here, elsewhere = ["avx2", "avx512f", "fma"], ["avx2", "fma"]
+    assert calibrated_baseline(here, "w4a16", "engine") is None
+    first = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048)
+    measured = first.load_peak_bytes + 210 * MiB  # what an AMD Zen 4 host measured over the Intel-made constant
+    assert record_load_peak(here, first, "engine", measured, "a CPU") == first.baseline_bytes + 210 * MiB
+    second = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048, calibrated_baseline=calibrated_baseline(here, "w4a16", "engine"))
+    assert second.load_peak_bytes == measured  # an upper bound from now on, on this host only
+    assert calibrated_baseline(elsewhere, "w4a16", "engine") is None
+    assert calibrated_baseline(here, "bf16", "engine") is None and calibrated_baseline(here, "w4a16", "split") is None
+    # records only grow, and a plan never goes below the constant
+    assert record_load_peak(here, first, "engine", first.load_peak_bytes, "a CPU") == first.baseline_bytes + 210 * MiB
+    low = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048, calibrated_baseline=1)
+    assert low.baseline_bytes == RUNTIME_BASELINE_BYTES["engine"]
+
+
+def test_an_unreadable_calibration_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.planning.calibration import _path, calibrated_baseline
+
+    monkeypatch.setenv("SPARK_EDGE_HOME", str(tmp_path))
+    path = _path(["avx2"], "bf16", "engine")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert calibrated_baseline(["avx2"], "bf16", "engine") is None

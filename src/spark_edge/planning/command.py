@@ -40,6 +40,7 @@ def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_nu
          memory_limit: int | None, process_layout: str, as_json: bool) -> None:
     """Predict load peak and steady anonymous RSS, and the context that fits."""
     from spark_edge.checkpoints.errors import CheckpointError
+    from spark_edge.planning.calibration import calibrated_baseline
     from spark_edge.planning.memory_plan import PlanRefused, make_plan
     from spark_edge.planning.model_shape import ModelShape
     from spark_edge.probe.device import probe_device
@@ -59,7 +60,8 @@ def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_nu
     ceiling = memory_limit or device.memory.ceiling
     shape = ModelShape.from_config(config)
     try:
-        result = make_plan(shape, path, ceiling, max_model_len, max_num_seqs, quant_group(config), process_layout)
+        result = make_plan(shape, path, ceiling, max_model_len, max_num_seqs, quant_group(config), process_layout,
+                           calibrated_baseline(sorted(device.features), path, process_layout))
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))

@@ -164,13 +164,13 @@ def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens
 
 
 def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
-          requested: int, max_num_seqs: int, layout: str, batched: int) -> MemoryPlan:
+          requested: int, max_num_seqs: int, baseline: int, batched: int) -> MemoryPlan:
     weights = int(RESIDENT_WEIGHT_FACTOR[weight_path] * weight_bytes(shape, weight_path, group))
     return MemoryPlan(
         weight_path=weight_path,
         ceiling_bytes=ceiling,
         headroom_bytes=max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * ceiling)),
-        baseline_bytes=RUNTIME_BASELINE_BYTES[layout],
+        baseline_bytes=baseline,
         weights_bytes=weights,
         kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched),
         kv_tokens=kv_tokens,
@@ -194,15 +194,20 @@ def _prefill_chunks(max_num_seqs: int) -> list[int]:
 
 
 def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model_len: int,
-              max_num_seqs: int = 4, group: int = 32, layout: str = "engine") -> MemoryPlan:
-    """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused."""
+              max_num_seqs: int = 4, group: int = 32, layout: str = "engine",
+              calibrated_baseline: int | None = None) -> MemoryPlan:
+    """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused.
+
+    `calibrated_baseline`: this host's measured runtime baseline (planning/calibration.py); the plan
+    takes the larger of it and the constant."""
+    baseline = max(RUNTIME_BASELINE_BYTES[layout], calibrated_baseline or 0)
     context = max_model_len
     while True:
         # KV for every sequence at full length, down to one full-length sequence
         for seqs in range(max_num_seqs, 0, -1):
             for batched in _prefill_chunks(max_num_seqs):  # a smaller chunk first: it costs the least
                 plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
-                             max_num_seqs, layout, batched)
+                             max_num_seqs, baseline, batched)
                 if plan.fits:
                     return plan
         if context <= MIN_CONTEXT:

@@ -21,12 +21,14 @@ from spark_edge import __version__
 from spark_edge.metrics.process_tree import TreeRssSampler, rss_anon_bytes
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
+from spark_edge.planning.calibration import calibrated_baseline, record_load_peak
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
+from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining
@@ -180,13 +182,15 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         choice = select_weight_path(device, req.priority, explicit)
     with phases.phase("checkpoint"):
         checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
-    config = json.loads((checkpoint / "config.json").read_text())
+        config = json.loads((checkpoint / "config.json").read_text())
+        check_cpu_int4_tensors(checkpoint, config)
     path = _built_weight_path(checkpoint, choice.name)
     group = int(config.get("quantization_config", {}).get("group_size", 32))
     ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)
     try:
         plan = make_plan(ModelShape.from_config(config), path, ceiling.bytes, req.max_model_len, req.max_num_seqs,
-                         group, req.process_layout)
+                         group, req.process_layout,
+                         calibrated_baseline(sorted(device.features), path, req.process_layout))
     except PlanRefused as exc:  # before vLLM is even imported: nothing to OOM-kill, nothing to crash-loop
         raise PlanRefused(f"{ceiling.describe()}: {exc}", exc.plan) from None
     # one cache root per weight path: its stamp names the path, so paths never evict each other
@@ -243,5 +247,11 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
         log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
+        if p.sampler.peak > p.plan.load_peak_bytes:
+            baseline = record_load_peak(sorted(p.device.features), p.plan, req.process_layout, p.sampler.peak,
+                                        p.device.cpu_model)
+            log(f"memory: the load peak ran {(p.sampler.peak - p.plan.load_peak_bytes) / 2**20:.0f} MiB over the "
+                f"plan on this host; its runtime baseline is now calibrated at {baseline / 2**20:.0f} MiB for the "
+                f"next start (planning/calibration.py)")
 
     run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve)
