@@ -14,11 +14,13 @@
  * rounded once to bf16 (nearest even) at the end.
  *
  * The vector path (AVX-512F) serves the layout of ATen's AVX-512 kernel: 64-channel blocks whose byte d
- * of a K step holds channel d (low nibble) and d + 32 (high nibble). A unit of work is 16 bytes of a K
- * step: 16 low-nibble channels and the 16 high-nibble channels 32 above them, two zmm of fp32 weights,
- * FMA'd against up to ROWS activation rows (2 x ROWS accumulators in registers). Units are independent,
- * so OpenMP threads split the output channels. Everything else (tails, other layouts, builds without
- * AVX-512) runs the portable loop, which is exact to the same formula.
+ * of a K step holds channel d (low nibble) and d + 32 (high nibble). A unit is 16 bytes of a K step: 16
+ * low-nibble channels and the 16 high-nibble channels 32 above them, two zmm of fp32 weights, FMA'd
+ * against up to ROWS activation rows (2 x ROWS accumulators in registers). Units are walked in tiles of up
+ * to TILE_UNITS, group by group, so the scales of a tile are read along N (scales_and_zeros is [G][N][2])
+ * and each unit's codes stay a sequential stream; OpenMP threads split the tiles, i.e. the output
+ * channels. Everything else (tails, other layouts, builds without AVX-512) runs the portable loop, which
+ * is exact to the same formula.
  *
  * Built with -fopenmp against libgomp.so.1, the runtime torch has already loaded, so the threads are
  * torch's own pool.
@@ -29,12 +31,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 #define ROWS 8 /* activation rows per pass over a unit's weights (registers: 2 x ROWS accumulators) */
-#define SZ_PREFETCH 8 /* groups ahead whose scales are prefetched */
+#define TILE_UNITS 8 /* units per tile: 256 channels, 1 KiB of scales per group */
 
 namespace spark_edge {
 
@@ -79,94 +82,102 @@ static const uint8_t *locate(const uint8_t *buf, int64_t n, int64_t k, int64_t b
 }
 
 #ifdef __AVX512F__
-/* One unit (16 low + 16 high channels of a 64-channel halves block), `rows` rows (<= ROWS). */
-static inline __attribute__((always_inline)) void unit_rows(const float *xf, const float *xsum, int64_t k,
-                                                            int64_t group, const uint8_t *w, const uint32_t *sz_lo,
-                                                            const uint32_t *sz_hi, int64_t n, float *tot,
-                                                            const int rows) {
-    const int64_t groups = k / group;
+/* One group of one unit (16 low + 16 high channels of a 64-channel halves block), ROWS_ rows: the codes
+ * FMA'd against the activations in registers, then scale and zero applied into tot [ROWS_][32]. */
+template <int ROWS_>
+static inline __attribute__((always_inline)) void unit_group(const float *xg, int64_t k, const float *xsum_g,
+                                                             int64_t groups, int64_t group, const uint8_t *wg,
+                                                             const uint32_t *sz_lo, const uint32_t *sz_hi,
+                                                             float *tot) {
     const __m512i low4 = _mm512_set1_epi32(0xf), high16 = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 eight = _mm512_set1_ps(8.0f);
     /* Few rows leave too few independent FMA chains to hide the FMA latency (4 cycles, 2 ports: 8 chains
      * needed): below 4 rows, even and odd K steps accumulate separately. */
-    const int split = rows < 4 ? 2 : 1;
-    /* A unit's (scale, zero) pairs are one 64-byte line per group and half, N * 4 bytes apart: a stride the
-     * hardware prefetchers do not follow across pages. Without software prefetch each is a DRAM miss (the
-     * 49152-channel head decoded at 2/3 of tinygemm's speed). */
-    for (int64_t g = 0; g < groups && g < SZ_PREFETCH; g++) {
-        _mm_prefetch((const char *)(sz_lo + g * n), _MM_HINT_T0);
-        _mm_prefetch((const char *)(sz_hi + g * n), _MM_HINT_T0);
+    constexpr int SPLIT = ROWS_ < 4 ? 2 : 1;
+    __m512 acc_lo[SPLIT][ROWS_], acc_hi[SPLIT][ROWS_];
+    for (int p = 0; p < SPLIT; p++)
+        for (int r = 0; r < ROWS_; r++) acc_lo[p][r] = acc_hi[p][r] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < group; kk += SPLIT) {
+        for (int p = 0; p < SPLIT; p++) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + (kk + p) * 32)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+            for (int r = 0; r < ROWS_; r++) {
+                const __m512 xv = _mm512_set1_ps(xg[r * k + kk + p]);
+                acc_lo[p][r] = _mm512_fmadd_ps(lo, xv, acc_lo[p][r]);
+                acc_hi[p][r] = _mm512_fmadd_ps(hi, xv, acc_hi[p][r]);
+            }
+        }
     }
+    /* (scale, zero) bf16 pairs read as uint32: scale in the low half, zero in the high half */
+    const __m512i vlo = _mm512_loadu_si512(sz_lo), vhi = _mm512_loadu_si512(sz_hi);
+    const __m512 s_lo = _mm512_castsi512_ps(_mm512_slli_epi32(vlo, 16));
+    const __m512 s_hi = _mm512_castsi512_ps(_mm512_slli_epi32(vhi, 16));
+    const __m512 z_lo = _mm512_fnmadd_ps(eight, s_lo, _mm512_castsi512_ps(_mm512_and_si512(vlo, high16)));
+    const __m512 z_hi = _mm512_fnmadd_ps(eight, s_hi, _mm512_castsi512_ps(_mm512_and_si512(vhi, high16)));
+    for (int r = 0; r < ROWS_; r++) {
+        const __m512 a_lo = SPLIT == 2 ? _mm512_add_ps(acc_lo[0][r], acc_lo[SPLIT - 1][r]) : acc_lo[0][r];
+        const __m512 a_hi = SPLIT == 2 ? _mm512_add_ps(acc_hi[0][r], acc_hi[SPLIT - 1][r]) : acc_hi[0][r];
+        const __m512 xs = _mm512_set1_ps(xsum_g[r * groups]);
+        __m512 t_lo = _mm512_loadu_ps(tot + r * 32), t_hi = _mm512_loadu_ps(tot + r * 32 + 16);
+        t_lo = _mm512_fmadd_ps(z_lo, xs, _mm512_fmadd_ps(s_lo, a_lo, t_lo));
+        t_hi = _mm512_fmadd_ps(z_hi, xs, _mm512_fmadd_ps(s_hi, a_hi, t_hi));
+        _mm512_storeu_ps(tot + r * 32, t_lo);
+        _mm512_storeu_ps(tot + r * 32 + 16, t_hi);
+    }
+}
+
+/* A tile of `count` consecutive units, group by group: the tile's (scale, zero) pairs of a group are
+ * count x 64 contiguous bytes of scales_and_zeros [G][N][2] (a unit on its own would read one line per
+ * group and half, N * 4 bytes apart: a stride the prefetchers do not follow, a DRAM miss each), and each
+ * unit's codes stay a sequential stream. */
+template <int ROWS_>
+static void tile_rows(const float *xf, const float *xsum, int64_t k, int64_t group, const uint8_t *buf,
+                      const uint32_t *sz32, int64_t n, int64_t unit0, int count, float *tot) {
+    const int64_t groups = k / group;
     for (int64_t g = 0; g < groups; g++) {
-        if (g + SZ_PREFETCH < groups) {
-            _mm_prefetch((const char *)(sz_lo + (g + SZ_PREFETCH) * n), _MM_HINT_T0);
-            _mm_prefetch((const char *)(sz_hi + (g + SZ_PREFETCH) * n), _MM_HINT_T0);
-        }
-        __m512 acc_lo[2][ROWS], acc_hi[2][ROWS];
-        for (int p = 0; p < split; p++)
-            for (int r = 0; r < rows; r++) acc_lo[p][r] = acc_hi[p][r] = _mm512_setzero_ps();
-        const uint8_t *wg = w + g * group * 32;
-        const float *xg = xf + g * group;
-        for (int64_t kk = 0; kk < group; kk += split) {
-            for (int p = 0; p < split; p++) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + (kk + p) * 32)));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low4));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-                for (int r = 0; r < rows; r++) {
-                    const __m512 xv = _mm512_set1_ps(xg[r * k + kk + p]);
-                    acc_lo[p][r] = _mm512_fmadd_ps(lo, xv, acc_lo[p][r]);
-                    acc_hi[p][r] = _mm512_fmadd_ps(hi, xv, acc_hi[p][r]);
-                }
-            }
-        }
-        if (split == 2)
-            for (int r = 0; r < rows; r++) {
-                acc_lo[0][r] = _mm512_add_ps(acc_lo[0][r], acc_lo[1][r]);
-                acc_hi[0][r] = _mm512_add_ps(acc_hi[0][r], acc_hi[1][r]);
-            }
-        /* (scale, zero) bf16 pairs read as uint32: scale in the low half, zero in the high half */
-        const __m512i vlo = _mm512_loadu_si512(sz_lo + g * n), vhi = _mm512_loadu_si512(sz_hi + g * n);
-        const __m512 s_lo = _mm512_castsi512_ps(_mm512_slli_epi32(vlo, 16));
-        const __m512 s_hi = _mm512_castsi512_ps(_mm512_slli_epi32(vhi, 16));
-        const __m512 z_lo = _mm512_fnmadd_ps(eight, s_lo, _mm512_castsi512_ps(_mm512_and_si512(vlo, high16)));
-        const __m512 z_hi = _mm512_fnmadd_ps(eight, s_hi, _mm512_castsi512_ps(_mm512_and_si512(vhi, high16)));
-        for (int r = 0; r < rows; r++) {
-            const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
-            __m512 t_lo = _mm512_loadu_ps(tot + r * 32), t_hi = _mm512_loadu_ps(tot + r * 32 + 16);
-            t_lo = _mm512_fmadd_ps(z_lo, xs, _mm512_fmadd_ps(s_lo, acc_lo[0][r], t_lo));
-            t_hi = _mm512_fmadd_ps(z_hi, xs, _mm512_fmadd_ps(s_hi, acc_hi[0][r], t_hi));
-            _mm512_storeu_ps(tot + r * 32, t_lo);
-            _mm512_storeu_ps(tot + r * 32 + 16, t_hi);
+        if (g + 1 < groups) /* the next group's scales of the whole tile */
+            for (int line = 0; line < count * 2; line++)
+                _mm_prefetch((const char *)(sz32 + (g + 1) * n + unit0 / 2 * 64) + line * 64, _MM_HINT_T0);
+        for (int t = 0; t < count; t++) {
+            const int64_t unit = unit0 + t, b = unit / 2, h = unit % 2;
+            const int64_t ch_lo = b * 64 + h * 16;
+            const uint8_t *wg = buf + b * 64 * (k / 2) + h * 16 + g * group * 32;
+            unit_group<ROWS_>(xf + g * group, k, xsum + g, groups, group, wg, sz32 + g * n + ch_lo,
+                              sz32 + g * n + ch_lo + 32, tot + t * ROWS * 32);
         }
     }
 }
 
-static void unit_avx512(const float *xf, const float *xsum, int64_t m, int64_t k, int64_t group, const uint8_t *buf,
-                        const uint16_t *sz, int64_t n, int64_t unit, uint16_t *out) {
-    const int64_t b = unit / 2, h = unit % 2, groups = k / group;
-    const int64_t ch_lo = b * 64 + h * 16, ch_hi = ch_lo + 32;
-    const uint8_t *w = buf + b * 64 * (k / 2) + h * 16;
+
+static void tile_avx512(const float *xf, const float *xsum, int64_t m, int64_t k, int64_t group, const uint8_t *buf,
+                        const uint16_t *sz, int64_t n, int64_t unit0, int count, uint16_t *out) {
+    const int64_t groups = k / group;
     const uint32_t *sz32 = (const uint32_t *)sz;
-    float tot[ROWS * 32];
+    float tot[TILE_UNITS * ROWS * 32];
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
         const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
         memset(tot, 0, sizeof tot);
         const float *x = xf + r0 * k, *xs = xsum + r0 * groups;
         switch (rows) { /* constant row counts, so the accumulators stay in registers */
-        case 1: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 1); break;
-        case 2: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 2); break;
-        case 3: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 3); break;
-        case 4: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 4); break;
-        case 5: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 5); break;
-        case 6: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 6); break;
-        case 7: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, 7); break;
-        default: unit_rows(x, xs, k, group, w, sz32 + ch_lo, sz32 + ch_hi, n, tot, ROWS); break;
+        case 1: tile_rows<1>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 2: tile_rows<2>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 3: tile_rows<3>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 4: tile_rows<4>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 5: tile_rows<5>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 6: tile_rows<6>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        case 7: tile_rows<7>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
+        default: tile_rows<ROWS>(x, xs, k, group, buf, sz32, n, unit0, count, tot); break;
         }
-        for (int r = 0; r < rows; r++) {
-            uint16_t *o = out + (r0 + r) * n;
-            for (int i = 0; i < 16; i++) {
-                o[ch_lo + i] = float_to_bf16(tot[r * 32 + i]);
-                o[ch_hi + i] = float_to_bf16(tot[r * 32 + 16 + i]);
+        for (int t = 0; t < count; t++) {
+            const int64_t unit = unit0 + t, ch_lo = unit / 2 * 64 + unit % 2 * 16, ch_hi = ch_lo + 32;
+            for (int r = 0; r < rows; r++) {
+                const float *tr = tot + t * ROWS * 32 + r * 32;
+                uint16_t *o = out + (r0 + r) * n;
+                for (int i = 0; i < 16; i++) {
+                    o[ch_lo + i] = float_to_bf16(tr[i]);
+                    o[ch_hi + i] = float_to_bf16(tr[16 + i]);
+                }
             }
         }
     }
@@ -196,11 +207,21 @@ bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t 
         }
     const int64_t vector_channels = int4_gemm_vectorized(block, halves) ? n / block * block : 0;
     const int64_t units = vector_channels / 32, rest = n - vector_channels;
+    /* up to TILE_UNITS units a tile, fewer when that would leave a thread without work; even, so that tiles
+     * start on whole blocks */
+    const int64_t per_thread = (units + omp_get_max_threads() - 1) / omp_get_max_threads();
+    const int64_t tile = per_thread >= TILE_UNITS ? TILE_UNITS : (per_thread + 1) / 2 * 2;
 #pragma omp parallel
     {
 #ifdef __AVX512F__
+        /* tiles start on even units (whole blocks), so a tile's scales are contiguous */
+        const int64_t tiles = tile ? (units + tile - 1) / tile : 0;
 #pragma omp for schedule(static) nowait
-        for (int64_t u = 0; u < units; u++) unit_avx512(xf, xsum, m, k, group, buf, sz, n, u, out);
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t u0 = t * tile;
+            const int count = (int)(units - u0 < tile ? units - u0 : tile);
+            tile_avx512(xf, xsum, m, k, group, buf, sz, n, u0, count, out);
+        }
 #endif
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < rest; c++) {
@@ -210,7 +231,7 @@ bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t 
             channel_portable(xf, xsum, m, k, group, base, run, shift, sz, n, vector_channels + c, out);
         }
     }
-    (void)units;
+    (void)units, (void)tile;
     free(xf);
     return true;
 }
