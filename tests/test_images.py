@@ -209,11 +209,12 @@ def avx512_cold_ready_s(avx512_image: str) -> float:
         return seconds
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def avx512_warm(avx512_image: str, avx512_cold_ready_s: float) -> Iterator[Container]:
     """The image as a user runs it read-only: its first start, with the baked compile cache.
 
-    Started after the cold measurement has finished, so the two never share the cores.
+    Started after the cold measurement has finished, so the two never share the cores; stopped with
+    this module, so it does not take CPU from the engine tests that follow.
     """
     with container(avx512_image, READ_ONLY_ARGS) as c:
         c.wait_ready()
