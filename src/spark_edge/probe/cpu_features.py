@@ -10,6 +10,8 @@ fallback when auxv cannot be read. Names keep the kernel's cpuinfo spellings eve
 
 from __future__ import annotations
 
+import functools
+import platform
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,10 @@ ARM_HWCAP_BITS = {
     "bf16": (AT_HWCAP2, 1 << 14),  # HWCAP2_BF16: BFloat16 arithmetic
 }
 ARM_FEATURES = tuple(ARM_HWCAP_BITS)
+
+# Features with which oneDNN runs bf16 GEMMs in bf16 hardware (x86 flags, the arm64 hwcap name); without
+# them it converts to fp32 itself: slower, and it holds more memory (planning/memory_plan.py).
+BF16_GEMM_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 # Arm Ltd. (implementer 0x41) part numbers of cores spark-edge expects to meet; others print as hex.
 ARM_PARTS = {
@@ -127,3 +133,9 @@ def _arm_model(fields: dict[str, str]) -> str | None:
     if implementer_id == 0x41 and part_id in ARM_PARTS:
         return f"Arm {ARM_PARTS[part_id]}"
     return f"implementer {implementer}, part {part}"
+
+
+@functools.lru_cache(maxsize=None)
+def host_has_bf16_gemm() -> bool:
+    """Whether this host's oneDNN bf16 GEMMs run on bf16 hardware."""
+    return bool(probe_cpu_features(Path("/"), platform.machine()).names & BF16_GEMM_FEATURES)

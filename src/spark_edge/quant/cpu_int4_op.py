@@ -33,8 +33,6 @@ is a config field (hashed into vLLM's compile-cache key).
 
 import functools
 import os
-import platform
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -50,7 +48,6 @@ NATIVE_MAX_ROWS_BF16_HOST = 16  # with bf16 GEMM hardware, more rows than this g
 # SPARK_EDGE_NATIVE_GEMM=0: the previous kernels (tinygemm row loop, C dequantization + oneDNN), for
 # side-by-side benchmarks (`spark-edge bench --paths w4a16,w4a16+tinygemm`)
 NATIVE_GEMM_SWITCH = "SPARK_EDGE_NATIVE_GEMM"
-BF16_GEMM_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 flags, arm64 hwcap name
 
 _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
@@ -76,12 +73,11 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
 def _bf16_gemm_hardware() -> bool:
     """Whether oneDNN's bf16 GEMM runs on bf16 hardware here (then it wins at prefill sizes)."""
-    from spark_edge.probe.cpu_features import probe_cpu_features
+    from spark_edge.probe.cpu_features import host_has_bf16_gemm
 
-    return bool(probe_cpu_features(Path("/"), platform.machine()).names & BF16_GEMM_FEATURES)
+    return host_has_bf16_gemm()
 
 
 def host_policy() -> tuple[int, int]:
