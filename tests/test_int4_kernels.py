@@ -120,7 +120,7 @@ def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
 def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
     native_max, row_loop = cpu_int4_op.host_policy()
     if ni.native_gemm_vectorized():
-        assert native_max == (cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op._bf16_gemm_hardware() else -1)
+        assert native_max == (cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1)
         assert cpu_int4_op.kernel_for(1) == cpu_int4_op.kernel_for(16) == "native"
     else:
         assert native_max == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch.library import Library
 
+from spark_edge.probe.cpu_features import host_has_bf16_gemm
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
 from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
 from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, gather_kernel_rows
@@ -73,19 +74,13 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
-def _bf16_gemm_hardware() -> bool:
-    """Whether oneDNN's bf16 GEMM runs on bf16 hardware here (then it wins at prefill sizes)."""
-    from spark_edge.probe.cpu_features import host_has_bf16_gemm
-
-    return host_has_bf16_gemm()
-
-
 def host_policy() -> tuple[int, int]:
     """(native_max_rows, row_loop_max_rows) for this host: the native GEMM up to the first (-1: every M,
     0: never), tinygemm one row at a time up to the second, dequantization + oneDNN above."""
     if os.environ.get(NATIVE_GEMM_SWITCH, "1") == "0" or not native_gemm_vectorized():
         return 0, ROW_LOOP_MAX_ROWS
-    return (NATIVE_MAX_ROWS_BF16_HOST if _bf16_gemm_hardware() else -1), ROW_LOOP_MAX_ROWS
+    # with bf16 hardware oneDNN's bf16 GEMM wins at prefill sizes
+    return (NATIVE_MAX_ROWS_BF16_HOST if host_has_bf16_gemm() else -1), ROW_LOOP_MAX_ROWS
 
 
 def kernel_for(m: int) -> str:
@@ -115,6 +110,8 @@ def cpu_int4_linear(
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, weight.shape[0]))
+    if m == 1:  # batch-1 decode: the hot path of this fallback, kept free of Python work
+        return _tinygemm(x, weight, group_size, scales_zeros)
     if m <= ROW_LOOP_MAX_ROWS:
         return torch.cat([_tinygemm(x[i : i + 1], weight, group_size, scales_zeros) for i in range(m)])
     weight_t = dequantize_kernel_weight_t(weight, scales_zeros, group_size) if rm_packed is None else None
@@ -188,5 +185,6 @@ def register_ops() -> bool:
             direct_register_custom_op(name, impl, fake_impl=fake, target_lib=_lib, dispatch_key="CPU")
     if not load_native_ops():
         return False
-    torch.ops.spark_edge.int4_configure(detect_layout().block, detect_layout().halves, *host_policy())
+    layout = detect_layout()
+    torch.ops.spark_edge.int4_configure(layout.block, layout.halves, *host_policy())
     return True
