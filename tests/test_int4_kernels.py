@@ -93,7 +93,7 @@ def test_gemm_every_layout_and_path(ops: object, layout: tl.KernelLayout) -> Non
     n, k, g = 208, 192, 32
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
-    ops.int4_configure(layout.block, layout.halves, -1, 0)
+    ops.int4_configure(layout.block, layout.halves, 0, -1, 0)
     try:
         for m in ROWS:
             x = torch.randn(m, k).to(BF16)
@@ -118,21 +118,27 @@ def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
 
 
 def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    native_max, row_loop = cpu_int4_op.host_policy()
+    q8_max, native_max, row_loop = cpu_int4_op.host_policy()
     if ni.native_gemm_vectorized():
+        assert q8_max == cpu_int4_op.Q8_MAX_ROWS
         assert native_max == (cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1)
-        assert cpu_int4_op.kernel_for(1) == cpu_int4_op.kernel_for(16) == "native"
+        assert cpu_int4_op.kernel_for(1, 64, 64) == cpu_int4_op.kernel_for(cpu_int4_op.Q8_MAX_ROWS, 128, 256) == "q8"
+        assert cpu_int4_op.kernel_for(1, 80, 64) == "native"  # a 16-channel tail: no int8 kernel for it
+        assert cpu_int4_op.kernel_for(cpu_int4_op.Q8_MAX_ROWS + 1, 64, 64) == "native"
+        monkeypatch.setenv(cpu_int4_op.Q8_SWITCH, "0")
+        assert cpu_int4_op.host_policy()[0] == 0 and cpu_int4_op.kernel_for(1, 64, 64) == "native"
+        monkeypatch.delenv(cpu_int4_op.Q8_SWITCH)
     else:
-        assert native_max == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
-    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (16, 8))  # a bf16 host
+        assert q8_max == native_max == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 16, 8))  # a bf16 host, int8 kernel off
     assert [cpu_int4_op.kernel_for(m) for m in (1, 16, 17, 512)] == ["native", "native", "dequant", "dequant"]
-    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 8))  # no vector path
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 0, 8))  # no vector path
     assert [cpu_int4_op.kernel_for(m) for m in (1, 8, 9)] == ["tinygemm", "tinygemm", "dequant"]
 
 
-@pytest.mark.parametrize("policy", [(-1, 0), (16, 8), (0, 8), (0, 0)], ids=["native", "bf16-host", "tinygemm",
-                                                                             "dequant"])
-def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[int, int]) -> None:
+@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0)],
+                         ids=["native", "bf16-host", "tinygemm", "dequant"])
+def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[int, int, int]) -> None:
     layout = tl.detect_layout()
     n, k, g = 576, 256, 32
     codes, scale, zero, exact = _case(n, k, g)
@@ -146,6 +152,67 @@ def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[i
             # tinygemm and oneDNN round the weight or the products to bf16 on the way: an SNR bound for all
             assert q4.snr_db(x.double() @ exact.double().t(), y.double()) > 40, (policy, m)
         assert ops.int4_linear(torch.randn(0, k).to(BF16), buf, sz, g).shape == (0, n)
+    finally:
+        _configure_host()
+
+
+Q8_SHAPES = ((64, 64), (128, 256), (192, 384), (576, 576))
+
+
+def _q8_or_skip(ops: object, n: int, k: int, g: int) -> None:
+    layout = tl.detect_layout()
+    if not ops.int4_q8_supported(n, k, g, layout.block, layout.halves):
+        pytest.skip("no int8-activation kernel in this build or layout (AVX512BW, 64-channel blocks)")
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n,k", Q8_SHAPES)
+def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int) -> None:
+    """Integer dots of the int8 activations and 4-bit codes are exact; what is left is fp32 scaling (2^-12 of
+    sum |x w|) and the bf16 result (2^-8 relative). Against the exact product, the int8 activations cost
+    about 1% of the result's norm."""
+    if k % g:
+        pytest.skip("K is not a multiple of this group size")
+    _q8_or_skip(ops, n, k, g)
+    codes, scale, zero, exact = _case(n, k, g)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    for m in ROWS:
+        x = torch.randn(m, k).to(BF16)
+        got = ops.int4_gemm_q8(x, buf, sz, g)
+        magnitude = x.double().abs() @ exact.double().abs().t()
+        assert ni.gemm_q8_within_tolerance(got, ni.gemm_q8_reference(x, codes, scale, zero, g), magnitude), (m, n, k)
+        full = x.double() @ exact.double().t()
+        assert (got.double() - full).norm() <= 0.03 * full.norm(), (m, n, k, g)
+
+
+def test_gemm_q8_integer_accumulation_is_exact(ops: object) -> None:
+    """Activations whose int8 quantization is exact (integers, 127 in every 32-block), scale 1, zero 8: the
+    result is the exact integer dot product, up to its rounding to bf16."""
+    n, k, g = 128, 256, 64
+    _q8_or_skip(ops, n, k, g)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    for m in (1, 3, 5, 16):
+        x = torch.randint(-127, 128, (m, k))
+        x[:, ::32] = 127  # d = 1 in every block
+        x = x.to(BF16)
+        exact = (x.double() @ codes.double().t()).to(BF16)
+        assert torch.equal(ops.int4_gemm_q8(x, buf, sz, g), exact)
+
+
+def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
+    layout = tl.detect_layout()
+    n, k, g = 576, 256, 32
+    _q8_or_skip(ops, n, k, g)
+    codes, scale, zero, exact = _case(n, k, g)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    ops.int4_configure(layout.block, layout.halves, 16, -1, 0)
+    try:
+        for m in (1, 7, 16, 17):
+            x = torch.randn(m, k).to(BF16)
+            want = ops.int4_gemm_q8(x, buf, sz, g) if m <= 16 else ops.int4_gemm(x, buf, sz, g)
+            assert torch.equal(ops.int4_linear(x, buf, sz, g), want), m
     finally:
         _configure_host()
 
@@ -177,6 +244,8 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
         "uint8": (x, buf.to(torch.int32), sz, g),
     }
     for message, args in cases.items():
-        for op in (ops.int4_linear, ops.int4_gemm):
+        for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8):
             with pytest.raises(RuntimeError, match=message):
                 op(*args)
+    with pytest.raises(RuntimeError, match="no int8-activation kernel"):  # a 16-channel tail
+        ops.int4_gemm_q8(x, torch.zeros(80, k // 2, dtype=torch.uint8), torch.zeros(k // g, 80, 2, dtype=BF16), g)

@@ -1,7 +1,8 @@
 """`spark-edge bench --kernels`: the int4 GEMM kernels side by side on a model's own shapes, in one process.
 
 For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
-time of one call of: spark-edge's native GEMM, PyTorch's tinygemm one row at a time (the previous
+time of one call of: spark-edge's native GEMM (fp32 activations), its int8-activation GEMM (decode row
+counts, where the build and shape have it), PyTorch's tinygemm one row at a time (the previous
 decode path), the weight dequantized to bf16 + oneDNN (the previous prefill path), and bf16's own GEMM
 on the same weight (what the bf16 weight path runs). Kernels are interleaved round by round and the
 best round kept, so a noisy neighbour slows them alike. Writes a markdown table naming the host
@@ -10,7 +11,6 @@ best round kept, so a noisy neighbour slows them alike. Writes a markdown table 
 
 from __future__ import annotations
 
-import platform
 import time
 from pathlib import Path
 from typing import Callable
@@ -68,6 +68,9 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
             }
             if m > TINYGEMM_MAX_ROWS:  # never run row by row at prefill sizes (seconds per call on the head)
                 del kernels["tinygemm_rows"]
+            layout = tl.detect_layout()
+            if m <= cpu_int4_op.Q8_MAX_ROWS and ops.int4_q8_supported(n, k, group, layout.block, layout.halves):
+                kernels["q8"] = lambda: ops.int4_gemm_q8(x, buf, sz, group)
             budget = 0.02 if m * n * k < 2**28 else 0.1
             best = dict.fromkeys(kernels, float("inf"))
             for _ in range(ROUNDS):
@@ -78,23 +81,26 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
 
 
 def host_line() -> str:
-    from spark_edge.probe.device import probe_device
+    from spark_edge.probe.device import host_line as device_line
 
-    profile = probe_device()
-    return (f"{profile.cpu_model or platform.processor()}, {profile.cpus.usable_cores} usable cores, "
-            f"features: {' '.join(sorted(profile.features)) or 'none'}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    return f"{device_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def format_markdown(results: list[dict], model: str, group: int) -> str:
     lines = [f"Model: {model}, group {group}. Host: {host_line()}.", "",
-             "| layer | N x K | rows | native ms | tinygemm rows ms | dequant + mm ms | bf16 mm ms | native vs best other |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| layer | N x K | rows | native ms | q8 ms | tinygemm rows ms | dequant + mm ms | bf16 mm ms | "
+             "spark-edge's best vs best other |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(r: dict, key: str) -> str:
+        return f"{r[key]:.3f}" if key in r else "-"
+
     for r in results:
         others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "bf16_mm_ms") if key in r]
-        tinygemm = f"{r['tinygemm_rows_ms']:.3f}" if "tinygemm_rows_ms" in r else "-"
-        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | {tinygemm} | "
-                     f"{r['dequant_mm_ms']:.3f} | {r['bf16_mm_ms']:.3f} | {min(others) / r['native_ms']:.2f}x |")
+        ours = min(r[key] for key in ("native_ms", "q8_ms") if key in r)
+        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | {cell(r, 'q8_ms')} | "
+                     f"{cell(r, 'tinygemm_rows_ms')} | {r['dequant_mm_ms']:.3f} | {r['bf16_mm_ms']:.3f} | "
+                     f"{min(others) / ours:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

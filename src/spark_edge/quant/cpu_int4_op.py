@@ -49,6 +49,10 @@ NATIVE_MAX_ROWS_BF16_HOST = 16  # with bf16 GEMM hardware, more rows than this g
 # SPARK_EDGE_NATIVE_GEMM=0: the previous kernels (tinygemm row loop, C dequantization + oneDNN), for
 # side-by-side benchmarks (`spark-edge bench --paths w4a16,w4a16+tinygemm`)
 NATIVE_GEMM_SWITCH = "SPARK_EDGE_NATIVE_GEMM"
+Q8_MAX_ROWS = 4  # up to this many rows (decode), int8 activations and integer dot products (measured
+# 1.3-2.2x the fp32-activation GEMM at 1 row, 1.1-1.6x at 2-4, even from 8 rows on AVX512BW: docs/int4-kernels.md)
+# SPARK_EDGE_INT4_Q8=0: decode on the fp32-activation native GEMM instead (`w4a16+fp32act` in the bench)
+Q8_SWITCH = "SPARK_EDGE_INT4_Q8"
 
 _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
@@ -74,18 +78,25 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
-def host_policy() -> tuple[int, int]:
-    """(native_max_rows, row_loop_max_rows) for this host: the native GEMM up to the first (-1: every M,
-    0: never), tinygemm one row at a time up to the second, dequantization + oneDNN above."""
+def host_policy() -> tuple[int, int, int]:
+    """(q8_max_rows, native_max_rows, row_loop_max_rows) for this host: the int8-activation GEMM up to the
+    first (where the shape allows), the native GEMM up to the second (-1: every M, 0: never), tinygemm one
+    row at a time up to the third, dequantization + oneDNN above."""
     if os.environ.get(NATIVE_GEMM_SWITCH, "1") == "0" or not native_gemm_vectorized():
-        return 0, ROW_LOOP_MAX_ROWS
+        return 0, 0, ROW_LOOP_MAX_ROWS
+    q8_max = Q8_MAX_ROWS if os.environ.get(Q8_SWITCH, "1") != "0" else 0
     # with bf16 hardware oneDNN's bf16 GEMM wins at prefill sizes
-    return (NATIVE_MAX_ROWS_BF16_HOST if host_has_bf16_gemm() else -1), ROW_LOOP_MAX_ROWS
+    return q8_max, (NATIVE_MAX_ROWS_BF16_HOST if host_has_bf16_gemm() else -1), ROW_LOOP_MAX_ROWS
 
 
-def kernel_for(m: int) -> str:
-    """"native", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation rows."""
-    native_max, row_loop_max = host_policy()
+def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
+    """"q8", "native", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation rows
+    of an N x K weight."""
+    q8_max, native_max, row_loop_max = host_policy()
+    if m <= q8_max:
+        layout = detect_layout()
+        if torch.ops.spark_edge.int4_q8_supported(n, k, group, layout.block, layout.halves):
+            return "q8"
     if native_max < 0 or m <= native_max:
         return "native"
     return "tinygemm" if m <= row_loop_max else "dequant"

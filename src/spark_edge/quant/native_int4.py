@@ -4,7 +4,9 @@
   by the activation rows and the host policy set once per process (`int4_configure`, see cpu_int4_op.py):
   spark-edge's own `int4_gemm` (native/int4_gemm.cpp: each 4-bit weight read from memory once per call
   whatever M), ATen's tinygemm one row at a time, or the whole weight dequantized and ATen's mm.
-- `int4_gemm`, `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
+- `int4_gemm`, `int4_gemm_q8` (native/int4_gemm_q8.cpp: int8 activations per 32-K block against the 4-bit
+  codes, integer dot products, for decode), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one
+  pass): the kernels alone.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
@@ -37,7 +39,7 @@ from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
-SOURCES = tuple(NATIVE_DIR / name for name in ("int4_ops.cpp", "int4_gemm.cpp", "int4_dequant.cpp"))
+SOURCES = tuple(NATIVE_DIR / name for name in ("int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_dequant.cpp"))
 HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h"))
 LIBRARY_NAME = "spark_edge_int4.so"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
@@ -133,6 +135,10 @@ def _register_fakes() -> None:
     def _gemm_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("spark_edge::int4_gemm_q8")
+    def _gemm_q8_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
     @torch.library.register_fake("spark_edge::int4_dequant_t")
     def _dequant_fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return scales_zeros.new_empty((weight.shape[1] * 2, weight.shape[0]))
@@ -150,13 +156,44 @@ def gemm_within_tolerance(got: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     return bool(torch.all((got.double() - reference).abs() <= reference.abs() * 2.0**-8 + magnitude * 2.0**-12))
 
 
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8-activation kernel's quantization, in torch: codes [M, K] and scales d [M, K / block] with
+    x ~ d * codes (d = max|x| / 127 per row and block, codes = rint(x * (1 / d)) in fp32, as the C++ does)."""
+    xf = x.float().reshape(x.shape[0], -1, block)
+    d = xf.abs().amax(dim=2) / torch.tensor(127.0)
+    inv = torch.where(d > 0, torch.tensor(1.0) / d, torch.zeros_like(d))
+    codes = torch.round(xf * inv.unsqueeze(2)).clamp(-127, 127)
+    return codes.reshape(x.shape), d
+
+
+def gemm_q8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      group: int) -> torch.Tensor:
+    """float64 of what int4_gemm_q8 computes: integer dots of the int8 codes and the 4-bit codes per 32-K
+    block, times the block's d, then the group's scale; the zero term from the bf16 activations' sums.
+    `codes` are the unsigned 4-bit codes [N, K]; scale, zero [N, K / group]."""
+    xq, d = quantize_activations(x)
+    m, k = x.shape
+    n = codes.shape[0]
+    dots = torch.einsum("mbi,nbi->mnb", xq.double().reshape(m, -1, 32), codes.double().reshape(n, -1, 32))
+    scaled = (dots * d.double().unsqueeze(1)).reshape(m, n, k // group, group // 32).sum(dim=3)
+    xsum = x.double().reshape(m, k // group, group).sum(dim=2)  # [M, G]
+    s, z = scale.double(), zero.double()
+    return (scaled * s.unsqueeze(0)).sum(dim=2) + xsum @ (z - 8 * s).t()
+
+
+def gemm_q8_within_tolerance(got: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor) -> bool:
+    """The integer part is exact, so what is left is fp32 scaling and accumulation (2^-12 of the magnitude
+    sum_k |x_k w_k|) and the final rounding to bf16 (2^-8 relative)."""
+    return bool(torch.all((got.double() - reference).abs() <= reference.abs() * 2.0**-8 + magnitude * 2.0**-12))
+
+
 def _self_check() -> None:
     """The dequantization bit-exact, the GEMM within its tolerance of float64, on full blocks plus a
     16-channel tail (in every known layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups, row
     counts on both sides of the vector path's 8-row tile."""
     from spark_edge.quant.int4_asym import dequantize
-    from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, kernel_codes, pack_for_kernel, \
-        scales_and_zeros
+    from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, kernel_codes, \
+        pack_for_kernel, scales_and_zeros
 
     ops = torch.ops.spark_edge
     gen = torch.Generator().manual_seed(0)
@@ -169,8 +206,16 @@ def _self_check() -> None:
     if not torch.equal(ops.int4_dequant_t(buf, sz, group).view(torch.int16), want.t().contiguous().view(torch.int16)):
         raise _Unavailable("the compiled dequantization disagrees with the reference dequantizer")
     x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
-    if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, dequantize(kernel_codes(buf), scale, zero, group)):
+    weight = dequantize(kernel_codes(buf), scale, zero, group)
+    if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, weight):
         raise _Unavailable("the compiled int4 GEMM disagrees with the float64 reference")
+    layout = detect_layout()
+    if ops.int4_q8_supported(64, k, group, layout.block, layout.halves):  # full blocks only
+        x5, codes = x[:5], kernel_codes(buf)[:64]
+        reference = gemm_q8_reference(x5, codes, scale[:64], zero[:64], group)
+        magnitude = x5.double().abs() @ weight[:64].double().abs().t()
+        if not gemm_q8_within_tolerance(ops.int4_gemm_q8(x5, buf[:64], sz[:, :64].contiguous(), group), reference, magnitude):
+            raise _Unavailable("the compiled int8-activation int4 GEMM disagrees with the float64 reference")
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +229,7 @@ def load_native_ops() -> bool:
     try:
         _load_library()
         layout = detect_layout()
-        torch.ops.spark_edge.int4_configure(layout.block, layout.halves, 0, 0)  # the kernels alone, for the check
+        torch.ops.spark_edge.int4_configure(layout.block, layout.halves, 0, 0, 0)  # the kernels alone, for the check
         _self_check()
         return True
     except (_Unavailable, OSError, RuntimeError, subprocess.SubprocessError) as exc:

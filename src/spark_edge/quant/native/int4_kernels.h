@@ -15,4 +15,15 @@ bool int4_gemm_vectorized(int64_t block, int64_t halves);
 bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
                int64_t k, int64_t group, int64_t block, int64_t halves);
 
+/* Whether int4_gemm_q8 serves this shape and layout in this build (AVX512BW, 64-channel halves blocks). */
+bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves);
+
+/* The same product with the activations quantized to int8 per row and 32-K block (int4_gemm_q8.cpp);
+ * false if the scratch could not be allocated or the build has no such kernel. */
+bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+                  int64_t k, int64_t group);
+
+/* int8 codes xq [M][K] and per-32-K-block scales d [M][K/32] of bf16 activations x [M][K]. */
+void quantize_activations(const uint16_t *x, int64_t m, int64_t k, int8_t *xq, float *d);
+
 }  // namespace spark_edge

@@ -2,6 +2,7 @@
  * it with no Python between layers. Which kernel runs is decided per call by the activation rows M and the
  * host policy that Python sets once per process (int4_configure), from the buffer layout it detected and the
  * host's ISA (see cpu_int4_op.py for the reasons):
+ *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode;
  *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
@@ -26,7 +27,8 @@ namespace {
 struct Policy {
     int64_t block = 0;  // buffer layout: channels per full block (0 = not configured)
     bool halves = false;
-    int64_t native_max_rows = 0;  // native GEMM up to this many rows (-1: every M; 0: never)
+    int64_t q8_max_rows = 0;  // int8-activation GEMM up to this many rows, where the shape allows (0: never)
+    int64_t native_max_rows = 0;  // then the native GEMM up to this many rows (-1: every M; 0: never)
     int64_t row_loop_max_rows = 0;  // then tinygemm one row at a time up to this many; dequant + mm above
 };
 
@@ -52,11 +54,16 @@ void check_buffers(const at::Tensor &x, const at::Tensor &weight, const at::Tens
 
 }  // namespace
 
-void int4_configure(int64_t block, bool halves, int64_t native_max_rows, int64_t row_loop_max_rows) {
+void int4_configure(int64_t block, bool halves, int64_t q8_max_rows, int64_t native_max_rows,
+                    int64_t row_loop_max_rows) {
     TORCH_CHECK(block > 0 && block % 16 == 0, "int4_configure: block must be a positive multiple of 16");
     // set once per process, before the first call; a later call replaces it (the old one is kept alive:
     // a concurrent caller may still read it)
-    policy.store(new Policy{block, halves, native_max_rows, row_loop_max_rows});
+    policy.store(new Policy{block, halves, q8_max_rows, native_max_rows, row_loop_max_rows});
+}
+
+bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool halves) {
+    return int4_gemm_q8_supported(n, k, group, block, halves);
 }
 
 bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
@@ -71,6 +78,21 @@ at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const 
     TORCH_CHECK(int4_gemm(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
                           n, k, group, p->block, p->halves),
                 "int4_gemm: no memory for the fp32 copy of a ", m, " x ", k, " activation");
+    return out;
+}
+
+at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = policy.load();
+    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    check_buffers(x_in, weight, sz, group);
+    const at::Tensor x = x_in.contiguous();
+    const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+    TORCH_CHECK(int4_gemm_q8_supported(n, k, group, p->block, p->halves), "int4_gemm_q8: no int8-activation kernel "
+                "for N=", n, ", K=", k, ", group ", group, " on this layout and build");
+    at::Tensor out = at::empty({m, n}, x.options());
+    TORCH_CHECK(int4_gemm_q8(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
+                             n, k, group),
+                "int4_gemm_q8: no memory for the int8 copy of a ", m, " x ", k, " activation");
     return out;
 }
 
@@ -91,6 +113,8 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     check_buffers(x, weight, sz, group);
     const int64_t m = x.size(0);
     if (m == 0) return at::empty({0, weight.size(0)}, x.options());
+    if (m <= p->q8_max_rows && int4_gemm_q8_supported(weight.size(0), x.size(1), group, p->block, p->halves))
+        return int4_gemm_q8_op(x, weight, sz, group);
     if (p->native_max_rows < 0 || m <= p->native_max_rows) return int4_gemm_op(x, weight, sz, group);
     if (m <= p->row_loop_max_rows) {
         std::vector<at::Tensor> rows;
@@ -103,15 +127,18 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
 }
 
 TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
-    m.def("int4_configure(int block, bool halves, int native_max_rows, int row_loop_max_rows) -> ()");
+    m.def("int4_configure(int block, bool halves, int q8_max_rows, int native_max_rows, int row_loop_max_rows) -> ()");
     m.def("int4_native_vectorized(int block, bool halves) -> bool");
+    m.def("int4_q8_supported(int n, int k, int group_size, int block, bool halves) -> bool");
     m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_gemm_q8(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
     m.impl("int4_gemm", &int4_gemm_op);
+    m.impl("int4_gemm_q8", &int4_gemm_q8_op);
     m.impl("int4_dequant_t", &int4_dequant_t_op);
     m.impl("int4_linear", &int4_linear);
 }
@@ -119,6 +146,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
 TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_configure", &int4_configure);
     m.impl("int4_native_vectorized", &int4_native_vectorized);
+    m.impl("int4_q8_supported", &int4_q8_supported);
 }
 
 }  // namespace spark_edge

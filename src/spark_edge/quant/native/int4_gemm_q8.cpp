@@ -1,0 +1,195 @@
+/* int4 GEMM with int8 activations, for decode (few rows): out bf16 [M][N] = x [M][K] @ W^T on the CPU int4
+ * kernel buffer, as llama.cpp does it (8-bit activations against 4-bit blocks, integer dot products).
+ *
+ * Activations are quantized per row and per 32-K block, symmetric: d = max|x| / 127, xq = rint(x * (1/d)),
+ * so x ~ d * xq. Per weight group g of a channel (scale s, zero z, codes q in 0..15):
+ *     sum_k x_k ((q_k - 8) s + z) ~ s * sum_b d_b * sum_{k in b} xq_k q_k + (z - 8 s) * sum_k x_k
+ * where the inner sum is exact integer arithmetic and sum_k x_k is taken from the fp32 activations.
+ *
+ * The buffer layout is ATen's AVX-512 one (64-channel blocks; byte d of a K step holds channel d in its low
+ * nibble and channel d + 32 in its high nibble; K steps are 32-byte rows). Unpacking two zmm of four K steps
+ * byte by byte (vpunpck{l,h}bw) pairs each channel's codes of steps k and k + 2 (or k + 1 and k + 3) in
+ * adjacent bytes, which is what vpmaddubsw multiplies against adjacent activation bytes and adds: one
+ * instruction for 64 multiply-adds, against 16 for an fp32 FMA, and no int->float conversion per weight.
+ * Sums are kept in int16 over one 32-K block (at most 8 x 2 x 15 x 127 = 30480, no overflow), then
+ * widened, scaled by d_b in fp32, and the group's scale and zero applied once per group.
+ *
+ * AVX512BW (Skylake-SP and later, Zen 4); elsewhere int4_gemm_q8_supported() is false and the fp32
+ * kernel (int4_gemm.cpp) serves.
+ */
+#include "bf16.h"
+#include "int4_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <omp.h>
+#ifdef __AVX512BW__
+#include <immintrin.h>
+#endif
+
+#define QBLOCK 32 /* activation quantization block along K */
+#define QROWS 4 /* activation rows per pass over a block's weights (registers: 4 int16 accumulators a row) */
+
+namespace spark_edge {
+
+void quantize_activations(const uint16_t *x, int64_t m, int64_t k, int8_t *xq, float *d) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < k / QBLOCK; b++) {
+            float xf[QBLOCK], amax = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) {
+                xf[i] = bf16_to_float(x[r * k + b * QBLOCK + i]);
+                amax = std::fmax(amax, std::fabs(xf[i]));
+            }
+            const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+            d[r * (k / QBLOCK) + b] = db;
+            for (int i = 0; i < QBLOCK; i++) {
+                const float q = std::rint(xf[i] * inv);
+                xq[r * k + b * QBLOCK + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+            }
+        }
+}
+
+#ifdef __AVX512BW__
+/* Per row, per K quad (steps 4j..4j+3): the 64 activation bytes vpmaddubsw meets after the unpack:
+ * 128-bit lanes 0-1 hold (xq[4j], xq[4j+2]) pairs, lanes 2-3 hold (xq[4j+1], xq[4j+3]) pairs. */
+static void activation_pairs(const int8_t *xq, int64_t m, int64_t k, __m512i *pairs) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 4; j++) {
+            const int8_t *q = xq + r * k + 4 * j;
+            const short even = (short)(uint16_t)((uint8_t)q[0] | (uint16_t)(uint8_t)q[2] << 8);
+            const short odd = (short)(uint16_t)((uint8_t)q[1] | (uint16_t)(uint8_t)q[3] << 8);
+            pairs[r * (k / 4) + j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(even)),
+                                                         _mm256_set1_epi16(odd), 1);
+        }
+}
+
+/* int16 sums of the two row halves of an accumulator, widened and added: 16 int32, channel order of the
+ * accumulator's lanes 0-1. */
+static inline __m512i widen_pairs(__m512i acc) {
+    return _mm512_add_epi32(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc)),
+                            _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc, 1)));
+}
+
+/* One 64-channel block, ROWS_ rows, over all K: into tot [ROWS_][64] fp32, channels in natural order. */
+template <int ROWS_>
+static void block_rows(const __m512i *pairs, const float *d, const float *xsum, int64_t k, int64_t group,
+                       const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const int64_t groups = k / group, quads = k / 4, qblocks = k / QBLOCK;
+    __m512 facc[ROWS_][4];
+    for (int r = 0; r < ROWS_; r++)
+        for (int i = 0; i < 4; i++) facc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < qblocks; b++) {
+        __m512i acc[ROWS_][4];
+        for (int r = 0; r < ROWS_; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
+        for (int64_t j = b * (QBLOCK / 4); j < (b + 1) * (QBLOCK / 4); j++) {
+            const __m512i a = _mm512_loadu_si512(wb + j * 128), c = _mm512_loadu_si512(wb + j * 128 + 64);
+            const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
+            const __m512i w[4] = {_mm512_and_si512(plo, low4), _mm512_and_si512(phi, low4),
+                                  _mm512_and_si512(_mm512_srli_epi16(plo, 4), low4),
+                                  _mm512_and_si512(_mm512_srli_epi16(phi, 4), low4)};
+            for (int r = 0; r < ROWS_; r++) {
+                const __m512i xv = _mm512_load_si512(pairs + r * quads + j);
+                for (int i = 0; i < 4; i++) acc[r][i] = _mm512_add_epi16(acc[r][i], _mm512_maddubs_epi16(w[i], xv));
+            }
+        }
+        /* w[0]: channels 0-7 and 16-23, w[1]: 8-15 and 24-31, w[2], w[3]: the same + 32 (high nibbles) */
+        for (int r = 0; r < ROWS_; r++) {
+            const __m512 db = _mm512_set1_ps(d[r * qblocks + b]);
+            for (int h = 0; h < 2; h++) {
+                const __m512i even = widen_pairs(acc[r][2 * h]), odd = widen_pairs(acc[r][2 * h + 1]);
+                const __m512i first = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(1, 0, 1, 0));
+                const __m512i second = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(3, 2, 3, 2));
+                facc[r][2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), db, facc[r][2 * h]);
+                facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), db, facc[r][2 * h + 1]);
+            }
+        }
+        if ((b + 1) * QBLOCK % group == 0) { /* a group ends: its scale and zero, once */
+            const int64_t g = (b + 1) * QBLOCK / group - 1;
+            if (g + 1 < groups)
+                for (int line = 0; line < 4; line++)
+                    _mm_prefetch((const char *)(sz32 + (g + 1) * n + ch0) + line * 64, _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(sz32 + g * n + ch0 + 16 * i);
+                const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                const __m512 z = _mm512_fnmadd_ps(eight, s, _mm512_castsi512_ps(_mm512_and_si512(v, high16)));
+                for (int r = 0; r < ROWS_; r++) {
+                    const __m512 t = _mm512_loadu_ps(tot + r * 64 + 16 * i);
+                    const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+                    _mm512_storeu_ps(tot + r * 64 + 16 * i,
+                                     _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(s, facc[r][i], t)));
+                    facc[r][i] = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+}
+
+static void block_all_rows(const __m512i *pairs, const float *d, const float *xsum, int64_t m, int64_t k,
+                           int64_t group, const uint8_t *buf, const uint32_t *sz32, int64_t n, int64_t blk,
+                           uint16_t *out) {
+    const int64_t groups = k / group, quads = k / 4, qblocks = k / QBLOCK, ch0 = blk * 64;
+    const uint8_t *wb = buf + blk * 64 * (k / 2);
+    alignas(64) float tot[QROWS * 64];
+    for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
+        const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;
+        memset(tot, 0, sizeof tot);
+        const __m512i *p = pairs + r0 * quads;
+        const float *dr = d + r0 * qblocks, *xs = xsum + r0 * groups;
+        switch (rows) { /* constant row counts, so the accumulators stay in registers */
+        case 1: block_rows<1>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        case 2: block_rows<2>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        case 3: block_rows<3>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        default: block_rows<QROWS>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        }
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < 64; c++) out[(r0 + r) * n + ch0 + c] = float_to_bf16(tot[r * 64 + c]);
+    }
+}
+#endif
+
+bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
+#ifdef __AVX512BW__
+    return block == 64 && halves && n % 64 == 0 && k % QBLOCK == 0 && group % QBLOCK == 0;
+#else
+    (void)n, (void)k, (void)group, (void)block, (void)halves;
+    return false;
+#endif
+}
+
+bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+                  int64_t k, int64_t group) {
+#ifdef __AVX512BW__
+    const int64_t groups = k / group, qblocks = k / QBLOCK;
+    /* scratch: activation pairs (64-byte aligned), int8 codes, block scales, group sums */
+    const size_t pair_bytes = sizeof(__m512i) * (size_t)(m * (k / 4));
+    const size_t bytes = pair_bytes + (size_t)(m * k) + sizeof(float) * (size_t)(m * qblocks + m * groups) + 64;
+    char *scratch = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!scratch) return false;
+    __m512i *pairs = (__m512i *)scratch;
+    int8_t *xq = (int8_t *)(scratch + pair_bytes);
+    float *d = (float *)(((uintptr_t)(xq + m * k) + 63) & ~(uintptr_t)63), *xsum = d + m * qblocks;
+    quantize_activations(x, m, k, xq, d);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) s += bf16_to_float(x[r * k + kk]);
+            xsum[r * groups + g] = s;
+        }
+    activation_pairs(xq, m, k, pairs);
+    const uint32_t *sz32 = (const uint32_t *)sz;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < n / 64; blk++) block_all_rows(pairs, d, xsum, m, k, group, buf, sz32, n, blk, out);
+    free(scratch);
+    return true;
+#else
+    (void)x, (void)m, (void)buf, (void)sz, (void)out, (void)n, (void)k, (void)group;
+    return false;
+#endif
+}
+
+}  // namespace spark_edge
