@@ -10,3 +10,4 @@ USAGE = 2  # bad command-line usage (click's own code)
 CHECKPOINT = 3  # model source or built checkpoint missing, corrupt or unsupported
 UNSUPPORTED_HOST = 4  # this CPU cannot run vLLM's CPU kernels, or not the weight path asked for
 MEMORY = 5  # the memory plan does not fit under the ceiling even at the minimum context
+PEER = 6  # bench --peer: the peer (llama.cpp) could not be built or converted; spark-edge's arms were measured

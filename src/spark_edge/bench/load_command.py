@@ -9,9 +9,7 @@ a second run starts warm), loaded, and stopped.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,15 +46,13 @@ def load_options(f: Callable) -> Callable:
 @contextmanager
 def _served_arm(tag: str, checkpoint: Path, serve_args: tuple[str, ...], env: dict[str, str], home: Path,
                 log_path: Path) -> Iterator[str]:
-    from spark_edge.bench.server_arm import _free_port, _stop, _wait_ready
+    from spark_edge.bench.server_arm import _stop, _wait_ready, free_port, spark_edge_launch
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-           *serve_args]
-    full_env = {**os.environ, "SPARK_EDGE_HOME": str(home / "arms" / tag), **env}
-    full_env.pop("SPARK_EDGE_API_KEY", None)  # our own server, on loopback, without a key
+    port = free_port()
+    launch = spark_edge_launch(tag, checkpoint, home, port, serve_args, env)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(launch.cmd, stdout=log, stderr=subprocess.STDOUT, env=launch.env,
+                                start_new_session=True)
         try:
             _wait_ready(proc, f"http://127.0.0.1:{port}", 900)
             yield f"http://127.0.0.1:{port}"

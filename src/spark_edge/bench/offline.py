@@ -42,14 +42,25 @@ def _profile_decode(llm, prompt: list[int]) -> list[dict]:
              "self_ms_per_step": e.self_cpu_time_total / 1000 / PROFILED_STEPS} for e in rows]
 
 
+def kv_cache_bytes(checkpoint: str) -> int:
+    """The KV cache the memory plan gives the served arms at full context: every sequence at full length."""
+    from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, kv_bytes_for
+    from spark_edge.planning.model_shape import ModelShape
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return kv_bytes_for(ModelShape.from_config(config), DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS)
+
+
 def run(checkpoint: str, vocab: int, reps: int) -> dict:
     from vllm import LLM
 
     rng = random.Random(1)
     prompt = lambda n: [rng.randrange(256, vocab) for _ in range(n)]  # noqa: E731
     start = time.perf_counter()
-    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
-              kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni")
+    from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+
+    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=DEFAULT_MAX_MODEL_LEN, max_num_seqs=DEFAULT_MAX_NUM_SEQS,
+              kv_cache_memory_bytes=kv_cache_bytes(checkpoint), distributed_executor_backend="uni")
     ready_s = time.perf_counter() - start
     _timed(llm, [prompt(8)], 8)  # warm-up
     pp = min(_timed(llm, [prompt(512)], 1) for _ in range(reps))
@@ -69,9 +80,15 @@ def run_offline(checkpoint: Path, vocab: int, reps: int, cache_root: Path, log_p
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
     lines = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith(RESULT_PREFIX)]
     if not lines:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"the offline engine run failed:\n{tail}")
+        raise RuntimeError(f"the offline engine run failed: {engine_error(log_path)} (log: {log_path})")
     return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def engine_error(log_path: Path) -> str:
+    """The engine's own last error line (vLLM logs the cause before the traceback's end), else the last line."""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 if __name__ == "__main__":

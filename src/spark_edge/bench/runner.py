@@ -10,10 +10,13 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from spark_edge.bench.fidelity import top1_agreement
 from spark_edge.bench.server_arm import ArmResult, run_arm
+
+if TYPE_CHECKING:
+    from spark_edge.bench.peer_arms import Peer
 
 MiB = 1 << 20
 # (metric, better) -- "max" for rates, "min" for time and memory
@@ -32,6 +35,18 @@ class Arm:
     vocab: int
     serve_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    peer: Peer | None = None  # set: the arm is llama.cpp's, served from the GGUFs made of `checkpoint`
+
+
+def _run_one(tag: str, arm: Arm, p: int, home: Path, log_dir: Path, reps: int,
+             fidelity_windows: list[list[int]] | None, served: bool) -> ArmResult:
+    log_path = log_dir / f"{tag}.log"
+    if arm.peer is not None:
+        from spark_edge.bench.peer_arms import run_peer_arm
+
+        return run_peer_arm(tag, arm.peer, arm.vocab, log_path, reps, served, arm.env)
+    return run_arm(tag, arm.checkpoint, arm.vocab, home, log_path, reps, arm.serve_args, arm.env,
+                   fidelity_windows=fidelity_windows if p == 0 else None, served=served)
 
 
 def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, reps: int,
@@ -44,8 +59,7 @@ def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, rep
             arm = arms[tag]
             log(f"pass {p + 1}/{passes}: {tag}")
             try:
-                r = run_arm(tag, arm.checkpoint, arm.vocab, home, log_dir / f"{tag}.log", reps, arm.serve_args,
-                            arm.env, fidelity_windows=fidelity_windows if p == 0 else None, served=served)
+                r = _run_one(tag, arm, p, home, log_dir, reps, fidelity_windows, served)
             except Exception as exc:  # a failed arm is a result too: record it, keep going
                 log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
                 r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", [str(exc)])
@@ -55,6 +69,8 @@ def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, rep
                     f"settled {r.settled_bytes / MiB:.0f} MiB")
                 if r.served:
                     log("  streamed: " + served_line(r.served))
+                for quant, figures in r.llama_bench.items():
+                    log(f"  llama-bench {quant}: " + llama_bench_line(figures))
             results[tag].append(r)
     return results
 
@@ -65,11 +81,37 @@ def served_line(served: dict) -> str:
     return f"tg128 {served['tg128_tps']:.1f} tok/s, pp512 {served['pp512_tps']:.0f} tok/s; aggregate {levels}"
 
 
+def llama_bench_line(figures: dict) -> str:
+    if "error" in figures:
+        return f"failed: {figures['error']}"
+    return (f"pp512 {figures['pp512_tps']:.1f} ±{figures['pp512_stddev_tps']:.1f} tok/s, "
+            f"tg128 {figures['tg128_tps']:.1f} ±{figures['tg128_stddev_tps']:.1f} tok/s")
+
+
 def _best(values: list[float], better: str) -> float:
     return max(values) if better == "max" else min(values)
 
 
-def summarize(results: dict[str, list[ArmResult]], baseline: str) -> dict:
+def _ratios(arm: dict, other: dict) -> dict:
+    return {metric: arm[metric]["best"] / other[metric]["best"]
+            for metric, _ in METRICS if metric in arm and metric in other and other[metric]["best"]}
+
+
+def peer_summary(runs: list[ArmResult], tag: str) -> dict:
+    """The peer's best figures over passes: llama-bench per GGUF, and llama-server streamed."""
+    bench: dict = {}
+    for r in runs:
+        for quant, figures in r.llama_bench.items():
+            kept = bench.get(quant)
+            if kept is None or "error" in kept or ("error" not in figures and figures["tg128_tps"] > kept["tg128_tps"]):
+                bench[quant] = figures
+    streamed = [r.served for r in runs if r.served and not r.errors]
+    return {"arm": tag, "llama_bench": bench,
+            "streamed": max(streamed, key=lambda s: s["tg128_tps"]) if streamed else {}}
+
+
+def summarize(results: dict[str, list[ArmResult]], baseline: str, peer: str | None = None) -> dict:
+    """Best, median and spread per metric and arm; ratios against the baseline and against the peer's arm."""
     summary: dict = {"arms": {}, "baseline": baseline}
     for tag, runs in results.items():
         ok = [r for r in runs if not r.errors]
@@ -94,16 +136,20 @@ def summarize(results: dict[str, list[ArmResult]], baseline: str) -> dict:
             arm["warm_over_cold_ready"] = min(warm) / min(cold)
         summary["arms"][tag] = arm
     base = summary["arms"].get(baseline, {})
-    for tag, arm in summary["arms"].items():
-        for metric, _ in METRICS:
-            if metric in arm and metric in base and base[metric]["best"]:
-                arm.setdefault("vs_baseline", {})[metric] = arm[metric]["best"] / base[metric]["best"]
+    for arm in summary["arms"].values():
+        arm["vs_baseline"] = _ratios(arm, base)
+    if peer is not None:
+        summary["peer"] = peer_summary(results[peer], peer)
+        for tag, arm in summary["arms"].items():
+            if tag != peer:
+                arm["vs_peer"] = _ratios(arm, summary["arms"][peer])
     return summary
 
 
 def format_table(summary: dict) -> str:
     head = (f"{'arm':<10} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
-            f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)")
+            f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)"
+            + (f"; vs {summary['peer']['arm']}" if "peer" in summary else ""))
     lines = [head, "-" * len(head)]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
@@ -120,12 +166,16 @@ def format_table(summary: dict) -> str:
             f"{tag:<10} {cell('tg128_tps'):>12} {cell('pp512_tps', fmt='.0f'):>12} "
             f"{cell('load_peak_bytes', MiB, '.0f'):>14} {cell('settled_bytes', MiB, '.0f'):>12} {ratio:>12.2f} "
             f"{arm['ready_s']['best']:>8.1f}   "
-            f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x")
+            f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x"
+            + (f"; {_triple(arm['vs_peer'])}" if arm.get("vs_peer") else ""))
     for tag, arm in summary["arms"].items():
         if "perplexity" in arm:
             lines.append(f"{tag:<10} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
                          f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}")
     lines.extend(_served_lines(summary))
+    if "peer" in summary:
+        lines.extend(f"{summary['peer']['arm']} llama-bench {quant}: {llama_bench_line(figures)}"
+                     for quant, figures in summary["peer"]["llama_bench"].items())
     passes = max(a["passes"] for a in summary["arms"].values())
     if passes < 2:
         lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")
@@ -133,26 +183,40 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _peer_ratio(summary: dict, metric: str, value: float) -> str:
-    peer = summary.get("peer", {}).get(metric)
-    return f" ({value / peer:.2f}x peer)" if peer else ""
+def _triple(vs: dict) -> str:
+    return " ".join(f"{vs.get(m, 0):.2f}x" for m in ("tg128_tps", "pp512_tps", "load_peak_bytes"))
+
+
+def _peer_ratio(value: float, peer_value: float | None) -> str:
+    return f" ({value / peer_value:.2f}x peer)" if peer_value else ""
 
 
 def _served_lines(summary: dict) -> list[str]:
+    peer = summary.get("peer", {})
+    peer_streamed = peer.get("streamed", {})
     lines = []
     for tag, arm in summary["arms"].items():
         served = [r["served"] for r in arm["runs"] if r.get("served")]
         if served:
             best = max(served, key=lambda s: s["tg128_tps"])
-            lines.append(f"{tag:<10} streamed {served_line(best)}"
-                         f"{_peer_ratio(summary, 'tg128_tps', best['tg128_tps'])}")
+            vs_peer = ""
+            if peer_streamed and tag != peer.get("arm"):
+                levels = {c["streams"]: c["aggregate_tps"] for c in peer_streamed["concurrency"]}
+                vs_peer = (f" (vs peer: tg128 {best['tg128_tps'] / peer_streamed['tg128_tps']:.2f}x, pp512 "
+                           f"{best['pp512_tps'] / peer_streamed['pp512_tps']:.2f}x, aggregate "
+                           + ", ".join(f"{c['streams']}x {c['aggregate_tps'] / levels[c['streams']]:.2f}x"
+                                       for c in best["concurrency"] if levels.get(c["streams"])) + ")")
+            lines.append(f"{tag:<10} streamed {served_line(best)}{vs_peer}")
+    # the offline engine runs in one process, as llama-bench does: compare it with llama-bench's served GGUF
+    in_process = next(iter(peer.get("llama_bench", {}).values()), {})
     for path, off in summary.get("offline", {}).items():
         if "error" in off:
-            lines.append(f"offline {path}: failed: {off['error'].splitlines()[0]}")
+            lines.append(f"offline {path}: failed: {off['error']}")
             continue
         lines.append(f"offline {path} (vLLM LLM, one process): tg128 {off['tg128_tps']:.1f} tok/s"
-                     f"{_peer_ratio(summary, 'tg128_tps', off['tg128_tps'])}, pp512 {off['pp512_tps']:.0f} tok/s"
-                     f"{_peer_ratio(summary, 'pp512_tps', off['pp512_tps'])}; decode step, top ops by self time:")
+                     f"{_peer_ratio(off['tg128_tps'], in_process.get('tg128_tps'))}, pp512 {off['pp512_tps']:.0f} "
+                     f"tok/s{_peer_ratio(off['pp512_tps'], in_process.get('pp512_tps'))}; decode step, top ops "
+                     "by self time:")
         lines.extend(f"    {op['self_ms_per_step']:7.3f} ms/step {op['calls_per_step']:6.1f} calls  {op['op'][:60]}"
                      for op in off["profile_top_ops"][:10])
     return lines

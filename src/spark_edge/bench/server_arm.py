@@ -42,10 +42,11 @@ class ArmResult:
     perplexity: float = 0.0  # on the fidelity text, when scored
     errors: list[str] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # --served: streamed figures and concurrency
+    llama_bench: dict = field(default_factory=dict)  # the llama.cpp peer: llama-bench's figures per GGUF
     top1: list[int] = field(default_factory=list, repr=False)  # teacher-forced top-1 tokens, when scored
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -114,21 +115,45 @@ def measure_streamed(url: str, model: str, vocab: int, seed: int, reps: int) -> 
     return {"pp512_tps": 512 / pp, "tg128_tps": tg, "concurrency": levels}
 
 
-def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
-            serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
-            served: bool = False) -> ArmResult:
+@dataclass(frozen=True)
+class Launch:
+    """How to start one arm's server: its command, environment, model name and compile-cache state."""
+    cmd: list[str]
+    env: dict[str, str]
+    model: str
+    cache: str = "cold"  # "cold" or "warm"
+
+
+def spark_edge_launch(tag: str, checkpoint: Path, home: Path, port: int, serve_args: tuple[str, ...] = (),
+                      env: dict[str, str] | None = None) -> Launch:
     arm_home = home / "arms" / tag  # its own data folder, hence its own compile cache
     cache = "warm" if (arm_home / "vllm-cache").exists() else "cold"
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
            *serve_args]
     full_env = {**os.environ, "SPARK_EDGE_HOME": str(arm_home), **(env or {})}
     full_env.pop("SPARK_EDGE_API_KEY", None)  # the bench talks to its own servers without a key
+    return Launch(cmd, full_env, checkpoint.name, cache)
+
+
+def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
+            serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
+            served: bool = False) -> ArmResult:
+    """One spark-edge arm: `spark-edge serve` on a built checkpoint."""
+    port = free_port()
+    launch = spark_edge_launch(tag, checkpoint, home, port, serve_args, env)
+    return measure_server(tag, launch, port, vocab, log_path, reps, ready_timeout_s, fidelity_windows, served)
+
+
+def measure_server(tag: str, launch: Launch, port: int, vocab: int, log_path: Path, reps: int = 3,
+                   ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
+                   served: bool = False) -> ArmResult:
+    """Start a server speaking the OpenAI API (spark-edge or a peer), measure it the same way, stop it."""
+    url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") as log:
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(launch.cmd, stdout=log, stderr=subprocess.STDOUT, env=launch.env,
+                                start_new_session=True)
         sampler = TreeRssSampler(proc.pid).start()
         try:
             _wait_ready(proc, url, ready_timeout_s)
@@ -136,18 +161,18 @@ def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, 
             load_peak = sampler.peak
             time.sleep(3)  # let the allocator settle before reading the idle figure
             settled = sampler.current
-            client = _Client(url, checkpoint.name, vocab, seed=zlib.crc32(tag.encode()))
+            client = _Client(url, launch.model, vocab, seed=zlib.crc32(tag.encode()))
             client.complete(8, 8)  # one warm-up request
             pp = min(client.complete(512, 1) for _ in range(reps))
             t1 = min(client.complete(1, 1) for _ in range(reps))
             t128 = min(client.complete(1, 128) for _ in range(reps))
             scrape = min(_timed_get(f"{url}/metrics") for _ in range(5))
-            result = ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, cache,
-                               scrape)
+            result = ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak,
+                               launch.cache, scrape)
             if served:
-                result.served = measure_streamed(url, checkpoint.name, vocab, zlib.crc32(tag.encode()), reps)
+                result.served = measure_streamed(url, launch.model, vocab, zlib.crc32(tag.encode()), reps)
             if fidelity_windows:
-                scored = score(url, checkpoint.name, fidelity_windows)
+                scored = score(url, launch.model, fidelity_windows)
                 result.perplexity, result.top1 = scored.perplexity, scored.top1
             return result
         finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from spark_edge import exit_codes, weight_paths
+from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 
@@ -29,8 +30,8 @@ def quant_group(config: dict, default: int = 32) -> int:
 @click.option("--model", type=click.Path(path_type=Path), default=None, help="Default: SmolLM2-135M-Instruct.")
 @click.option("--weight-path", type=click.Choice(list(weight_paths.NAMES)), default=None,
               help="Default: what `spark-edge probe` picks for this host.")
-@click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True)
 @click.option("--memory-limit", type=click.IntRange(1), default=None,
               help="Ceiling in bytes (default: the probe's: host available memory or the cgroup limit).")
 @click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,

@@ -65,6 +65,9 @@ KV_BLOCK_TOKENS = 128  # vLLM allocates the CPU KV cache in whole blocks
 # default model ~1 GiB and Spark's 131072-word vocabulary ~3 GiB beyond the steady state.
 # A 512-token prompt still prefills in one step; longer prompts take several.
 PREFILL_CHUNK_TOKENS = 512
+# What `serve` asks for when not told otherwise (`plan`, the bench's offline engine and its peer follow)
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_SEQS = 4
 MIN_PREFILL_CHUNK = 128
 # Transient bytes per (prompt token x vocabulary word) of a prompt_logprobs step: measured
 # on bf16 SmolLM2 (vocab 49152) as the process tree's anonymous RSS peak over settled,
