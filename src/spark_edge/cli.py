@@ -10,6 +10,7 @@ import click
 from spark_edge import __version__, exit_codes
 from spark_edge import weight_paths
 from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
@@ -92,10 +93,10 @@ def _serve_options(f):
         click.option("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST"),
         click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
                      envvar="SPARK_EDGE_PORT"),
-        click.option("--max-model-len", type=click.IntRange(16), default=2048, show_default=True,
+        click.option("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True,
                      envvar="SPARK_EDGE_MAX_MODEL_LEN",
                      help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it)."),
-        click.option("--max-num-seqs", type=click.IntRange(1), default=4, show_default=True,
+        click.option("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
                      envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
         click.option("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
                      help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
@@ -148,7 +149,7 @@ def warm(**kwargs) -> None:
 
 def _register_subcommands() -> None:
     from spark_edge.bench.command import bench
-    from spark_edge.models.command import tiny_spark
+    from spark_edge.models.command import synth, tiny_spark
     from spark_edge.planning.command import plan
     from spark_edge.probe.command import probe
 
@@ -156,6 +157,7 @@ def _register_subcommands() -> None:
     main.add_command(plan)
     main.add_command(bench)
     main.add_command(tiny_spark)
+    main.add_command(synth)
 
 
 _register_subcommands()

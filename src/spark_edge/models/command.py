@@ -1,4 +1,5 @@
-"""`spark-edge tiny-spark`: write a small Spark-X2.5-shaped checkpoint with random weights."""
+"""`spark-edge tiny-spark` and `spark-edge synth`: random-weight checkpoints (small ones for tests, real
+geometries for sizing and benchmarks)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,28 @@ def tiny_spark(out: Path, layers: int, hidden: int, intermediate: int, vocab: in
     try:
         make_tiny_spark(out, shape, seed)
     except (FileExistsError, ValueError) as exc:
+        click.echo(f"spark-edge: error: {exc}", err=True)
+        sys.exit(exit_codes.USAGE)
+    click.echo(str(out))
+
+
+# the names `synth` accepts, without importing torch for --help (tests check they match synth.PRESETS)
+SYNTH_PRESETS = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b", "spark-x2.5-1.7b")
+
+
+@click.command("synth")
+@click.option("--like", type=click.Choice(SYNTH_PRESETS), required=True, help="The model whose geometry to copy.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to create (absent or empty).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def synth(like: str, out: Path, seed: int) -> None:
+    """A Hugging Face checkpoint with a real model's geometry and random weights (the default model's
+    tokenizer), written tensor by tensor: for `plan`, `bench` and `serve` on a box before the weights exist.
+    Its text is noise; `serve` says so."""
+    from spark_edge.models.synth import write_synthetic
+
+    try:
+        write_synthetic(like, out, seed)
+    except FileExistsError as exc:
         click.echo(f"spark-edge: error: {exc}", err=True)
         sys.exit(exit_codes.USAGE)
     click.echo(str(out))

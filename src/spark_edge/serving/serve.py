@@ -19,6 +19,7 @@ import click
 
 from spark_edge import __version__
 from spark_edge.metrics.process_tree import TreeRssSampler, rss_anon_bytes
+from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
 from spark_edge.planning.calibration import calibrated_baseline, record_load_peak
@@ -184,6 +185,8 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
         config = json.loads((checkpoint / "config.json").read_text())
         check_cpu_int4_tensors(checkpoint, config)
+        if origin := synthetic_origin(config):
+            log(f"model: {origin}: for sizing and speed only, its text is noise")
     path = _built_weight_path(checkpoint, choice.name)
     group = int(config.get("quantization_config", {}).get("group_size", 32))
     ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)

@@ -1,0 +1,172 @@
+"""Random-weight checkpoints with real models' geometries, for planning and benchmarking before the weights exist.
+
+`spark-edge synth --like NAME --out DIR` writes a Hugging Face folder shaped like a published model (its
+config's geometry, tensor names and dtypes) with random bf16 weights and the default model's tokenizer.
+Speed and memory depend on the geometry only, so a box can be sized and measured for a 1-2 B model
+without its weights; its text is noise. The folder is written tensor by tensor (one tensor in memory at a
+time), deterministic from the seed, and config.json carries `spark_edge_synthetic` so every later step
+(build, plan, serve) can say it serves random weights.
+
+Weights are drawn as in tiny_spark.py: linear layers ~N(0, 1/fan_in), embeddings ~N(0, 0.02), norms ~1,
+so activations keep their scale through the layers (no NaN or overflow in bf16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
+
+SYNTHETIC_KEY = "spark_edge_synthetic"
+CHUNK_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Preset:
+    architecture: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    head_dim: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()  # further config.json fields (RoPE, context)
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+# Geometries from each model's published config.json (hidden, layers, heads, KV heads, MLP, vocab, tying).
+PRESETS: dict[str, Preset] = {
+    "smollm2-1.7b": Preset("LlamaForCausalLM", "llama", 2048, 24, 32, 32, 8192, 49152, tied=True,
+                           extra=(("rope_theta", 130000.0), ("max_position_embeddings", 8192))),
+    "llama-3.2-1b": Preset("LlamaForCausalLM", "llama", 2048, 16, 32, 8, 8192, 128256, tied=True, head_dim=64,
+                           extra=(("rope_theta", 500000.0), ("max_position_embeddings", 131072),
+                                  ("rope_scaling", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}))),
+    "qwen2.5-1.5b": Preset("Qwen2ForCausalLM", "qwen2", 1536, 28, 12, 2, 8960, 151936, tied=True, qkv_bias=True,
+                           extra=(("rope_theta", 1000000.0), ("max_position_embeddings", 32768),
+                                  ("use_sliding_window", False))),
+    "spark-x2.5-1.7b": Preset("Spark2_5ForCausalLM", "spark2_5", 2048, 28, 8, 2, 6656, 131072, tied=True,
+                              head_dim=256),
+}
+
+
+def hf_config(name: str, preset: Preset, seed: int, bos: int, eos: int) -> dict[str, Any]:
+    if preset.model_type == "spark2_5":
+        from spark_edge.models.tiny_spark import TinySparkShape, spark_config
+
+        config = spark_config(TinySparkShape(layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
+                                             kv_heads=preset.kv_heads, head_dim=preset.dim,
+                                             intermediate=preset.intermediate, vocab=preset.vocab))
+    else:
+        config = {"architectures": [preset.architecture], "model_type": preset.model_type,
+                  "hidden_size": preset.hidden, "num_hidden_layers": preset.layers,
+                  "num_attention_heads": preset.heads, "num_key_value_heads": preset.kv_heads,
+                  "head_dim": preset.dim, "intermediate_size": preset.intermediate, "vocab_size": preset.vocab,
+                  "tie_word_embeddings": preset.tied, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                  "attention_bias": preset.qkv_bias, "mlp_bias": False, "torch_dtype": "bfloat16",
+                  **dict(preset.extra)}
+    config.update(bos_token_id=bos, eos_token_id=eos)
+    config[SYNTHETIC_KEY] = {"like": name, "seed": seed}
+    return config
+
+
+def _linear_names(preset: Preset) -> list[tuple[str, tuple[int, ...]]]:
+    """(suffix, shape) of one decoder layer's tensors, in the architecture's own names."""
+    h, q, kv, i = preset.hidden, preset.heads * preset.dim, preset.kv_heads * preset.dim, preset.intermediate
+    if preset.model_type == "spark2_5":
+        return [("input_layernorm.weight", (h,)), ("self_attn.q_k_v_proj.weight", (q + 2 * kv, h)),
+                ("self_attn.g_proj.weight", (preset.heads, h)), ("self_attn.out_proj.weight", (h, q)),
+                ("post_attention_layernorm.weight", (h,)), ("mlp.gate_proj.weight", (i, h)),
+                ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i))]
+    names = [("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (q, h)),
+             ("self_attn.k_proj.weight", (kv, h)), ("self_attn.v_proj.weight", (kv, h))]
+    if preset.qkv_bias:
+        names += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.bias", (kv,))]
+    return names + [("self_attn.o_proj.weight", (h, q)), ("post_attention_layernorm.weight", (h,)),
+                    ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i))]
+
+
+def tensor_specs(preset: Preset) -> list[TensorSpec]:
+    spark = preset.model_type == "spark2_5"
+    specs = [TensorSpec("model.embedding.weight" if spark else "model.embed_tokens.weight", torch.bfloat16,
+                        (preset.vocab, preset.hidden))]
+    for layer in range(preset.layers):
+        specs += [TensorSpec(f"model.layers.{layer}.{suffix}", torch.bfloat16, shape)
+                  for suffix, shape in _linear_names(preset)]
+    specs.append(TensorSpec("model.norm.weight", torch.bfloat16, (preset.hidden,)))
+    if not preset.tied:
+        specs.append(TensorSpec("lm_head.weight", torch.bfloat16, (preset.vocab, preset.hidden)))
+    return specs
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+def _std(spec: TensorSpec) -> float:
+    if spec.name.endswith(".bias") or "embed" in spec.name or spec.name == "lm_head.weight":
+        return 0.02
+    return 1.0 / math.sqrt(spec.shape[-1])
+
+
+def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
+    """One tensor, drawn from a generator seeded by (seed, name): the same whatever order they are made in.
+    Drawn in chunks of CHUNK_ROWS rows (part of the draw: changing it changes the weights), so the fp32 draw
+    of a 128k-row embedding never exists whole."""
+    g = torch.Generator().manual_seed(_seed_for(seed, spec.name))
+    if spec.name.endswith("norm.weight"):
+        return (1 + 0.1 * torch.randn(spec.shape, generator=g)).to(spec.dtype)
+    out = torch.empty(spec.shape, dtype=spec.dtype)
+    flat = out.view(-1, spec.shape[-1])
+    for start in range(0, flat.shape[0], CHUNK_ROWS):
+        rows = min(CHUNK_ROWS, flat.shape[0] - start)
+        flat[start:start + rows] = torch.randn(rows, spec.shape[-1], generator=g) * _std(spec)
+    return out
+
+
+def _tensors(specs: list[TensorSpec], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for spec in specs:
+        yield spec.name, random_tensor(spec, seed)
+
+
+def write_synthetic(name: str, out: Path, seed: int = 0) -> Path:
+    """Write the checkpoint into `out` (absent or empty). Raises KeyError for an unknown preset."""
+    from spark_edge.checkpoints.sources import open_source
+
+    preset = PRESETS[name]
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    default = open_source(None)  # the default model's tokenizer and chat template
+    default.save_tokenizer(out)
+    source_config = default.hf_config()
+    config = hf_config(name, preset, seed, source_config.get("bos_token_id", 1), source_config.get("eos_token_id", 2))
+    specs = tensor_specs(preset)
+    write_safetensors(out, specs, _tensors(specs, seed), max_shard_bytes=2 << 30)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out
+
+
+def synthetic_origin(config: dict[str, Any]) -> str | None:
+    """"random weights shaped like NAME (seed S)" for a synthetic checkpoint's config, else None."""
+    marker = config.get(SYNTHETIC_KEY)
+    if not marker:
+        return None
+    return f"random weights shaped like {marker.get('like', '?')} (seed {marker.get('seed', '?')})"

@@ -1,0 +1,82 @@
+"""`spark-edge synth`: real geometries with random weights, deterministic, written tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from spark_edge import exit_codes
+from spark_edge.cli import main
+from spark_edge.models import synth
+from spark_edge.models.command import SYNTH_PRESETS
+
+# published parameter counts (embedding counted once when tied)
+PARAMS = {"smollm2-1.7b": 1.71e9, "llama-3.2-1b": 1.24e9, "qwen2.5-1.5b": 1.54e9, "spark-x2.5-1.7b": 1.7e9}
+
+
+def test_the_command_offers_every_preset() -> None:
+    assert set(SYNTH_PRESETS) == set(synth.PRESETS) == set(PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(synth.PRESETS))
+def test_geometry_names_and_size_of_each_preset(name: str) -> None:
+    preset = synth.PRESETS[name]
+    specs = synth.tensor_specs(preset)
+    params = sum(math.prod(s.shape) for s in specs)
+    assert abs(params - PARAMS[name]) / PARAMS[name] < 0.06, params
+    names = {s.name for s in specs}
+    assert len(names) == len(specs)
+    last = f"model.layers.{preset.layers - 1}."
+    assert any(n.startswith(last) for n in names) and not any(n.startswith(f"model.layers.{preset.layers}.") for n in names)
+    assert ("lm_head.weight" in names) == (not preset.tied)
+    assert any(n.endswith("q_proj.bias") for n in names) == preset.qkv_bias
+    config = synth.hf_config(name, preset, 7, 1, 2)
+    assert config["num_hidden_layers"] == preset.layers and config["vocab_size"] == preset.vocab
+    assert synth.synthetic_origin(config) == f"random weights shaped like {name} (seed 7)"
+
+
+def test_weights_are_deterministic_by_seed_and_name() -> None:
+    spec = synth.TensorSpec("model.layers.0.mlp.down_proj.weight", torch.bfloat16, (synth.CHUNK_ROWS + 5, 900))
+    a, b = synth.random_tensor(spec, 3), synth.random_tensor(spec, 3)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert not torch.equal(a, synth.random_tensor(spec, 4))
+    assert abs(a.float().std().item() - 1 / math.sqrt(900)) < 1e-3
+
+
+def test_a_1_7b_checkpoint_is_written_in_under_1_gib(tmp_path: Path) -> None:
+    """Streamed: one tensor in memory at a time (peak RSS of the writing process, torch included)."""
+    out = tmp_path / "smollm2-1.7b"
+    code = ("import resource, sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
+            "write_synthetic('smollm2-1.7b', Path(sys.argv[1]), 0); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_mib = int(done.stdout.split()[-1]) / 1024
+    assert peak_mib < 1024, peak_mib
+    config = json.loads((out / "config.json").read_text())
+    assert config["spark_edge_synthetic"] == {"like": "smollm2-1.7b", "seed": 0}
+    weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert weights > 2 * 1.7e9  # bf16
+    assert (out / "tokenizer.json").is_file()
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out).hidden_size == 2048
+
+
+def test_synth_refuses_a_folder_that_is_not_empty(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("data")
+    result = CliRunner().invoke(main, ["synth", "--like", "llama-3.2-1b", "--out", str(tmp_path)])
+    assert result.exit_code == exit_codes.USAGE and "not empty" in result.output
+    assert (tmp_path / "keep.txt").read_text() == "data"
+
+
+def test_synth_names_the_presets_on_a_wrong_one(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["synth", "--like", "gpt-5", "--out", str(tmp_path / "x")])
+    assert result.exit_code == exit_codes.USAGE and "smollm2-1.7b" in result.output
