@@ -62,7 +62,7 @@ def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, rep
                 r = _run_one(tag, arm, p, home, log_dir, reps, fidelity_windows, served)
             except Exception as exc:  # a failed arm is a result too: record it, keep going
                 log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
-                r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", [str(exc)])
+                r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", errors=[str(exc)])
             else:
                 log(f"  ready {r.ready_s:.1f} s ({r.cache}), tg128 {r.tg128_tps:.1f} tok/s, "
                     f"pp512 {r.pp512_tps:.0f} tok/s, load peak {r.load_peak_bytes / MiB:.0f} MiB, "

@@ -1,0 +1,44 @@
+"""docs/benchmarks.md is generated from bench JSON: every figure in it comes from the file, with its host."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spark_edge.bench.report import render
+from spark_edge.bench.runner import summarize, write_json
+from spark_edge.bench.server_arm import ArmResult
+
+MiB = 1 << 20
+
+
+def _arm(tag: str, tg: float, pp: float, streamed: float) -> ArmResult:
+    r = ArmResult(tag, 12.5, 600 * MiB, 500 * MiB, pp, tg, 600 * MiB, "cold")
+    r.served = {"tg128_tps": streamed, "pp512_tps": pp,
+                "concurrency": [{"streams": n, "aggregate_tps": streamed * n * 0.9, "ttft_p50_s": 0.05 * n,
+                                 "ttft_p95_s": 0.08 * n} for n in (1, 4, 8)]}
+    return r
+
+
+def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) -> None:
+    peer = _arm("llama.cpp", 40.0, 160.0, 38.0)
+    peer.llama_bench = {"Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0,
+                                   "tg128_stddev_tps": 1.0}}
+    failed = ArmResult("w4a8", 0, 0, 0, 0, 0, 0, "failed", errors=["engine died"])
+    results = {"bf16": [_arm("bf16", 16.0, 128.0, 15.0)], "w4a16": [_arm("w4a16", 22.0, 250.0, 19.0)],
+               "w4a8": [failed], "llama.cpp": [peer]}
+    summary = summarize(results, "bf16", peer="llama.cpp")
+    summary.update(model="default", host="Intel(R) Xeon(R) Processor @ 2.00GHz, 2 usable cores, features: avx2")
+    summary["offline"] = {"w4a16": {"tg128_tps": 33.0, "pp512_tps": 280.0, "profile_top_ops": [
+        {"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}]},
+        "bf16": {"error": "ValueError: no KV cache"}}
+    path = tmp_path / "run.json"
+    write_json(summary, path)
+    text = render([path])
+    assert "## default on Intel(R) Xeon(R) Processor @ 2.00GHz" in text
+    assert "| w4a16 | 22.0 | 250 | 19.0 | 17.1 / 68.4 / 136.8 | 200 / 320 | 600 | 500 | 12.5 | 0.55x |" in text
+    assert "| w4a8 | failed |" in text
+    assert "| Q4_K_M | 150.0 ± 2.0 | 42.0 ± 1.0 |" in text
+    assert "spark_edge::int4_linear 11.50" in text and "failed: ValueError: no KV cache" in text
+    assert "one pass: a smoke run" in text
+    json.loads(path.read_text())  # the source stays valid JSON
