@@ -147,13 +147,14 @@ def summarize(results: dict[str, list[ArmResult]], baseline: str, peer: str | No
 
 
 def format_table(summary: dict) -> str:
-    head = (f"{'arm':<10} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
+    w = max(10, *(len(tag) for tag in summary["arms"]))  # the arm column fits the longest tag
+    head = (f"{'arm':<{w}} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
             f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)"
             + (f"; vs {summary['peer']['arm']}" if "peer" in summary else ""))
     lines = [head, "-" * len(head)]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
-            lines.append(f"{tag:<10} all {arm['passes']} passes failed")
+            lines.append(f"{tag:<{w}} all {arm['passes']} passes failed")
             continue
 
         def cell(metric: str, scale: float = 1.0, fmt: str = ".1f") -> str:
@@ -163,14 +164,14 @@ def format_table(summary: dict) -> str:
         ratio = arm["load_peak_bytes"]["best"] / max(arm["settled_bytes"]["best"], 1)
         vs = arm.get("vs_baseline", {})
         lines.append(
-            f"{tag:<10} {cell('tg128_tps'):>12} {cell('pp512_tps', fmt='.0f'):>12} "
+            f"{tag:<{w}} {cell('tg128_tps'):>12} {cell('pp512_tps', fmt='.0f'):>12} "
             f"{cell('load_peak_bytes', MiB, '.0f'):>14} {cell('settled_bytes', MiB, '.0f'):>12} {ratio:>12.2f} "
             f"{arm['ready_s']['best']:>8.1f}   "
             f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x"
             + (f"; {_triple(arm['vs_peer'])}" if arm.get("vs_peer") else ""))
     for tag, arm in summary["arms"].items():
         if "perplexity" in arm:
-            lines.append(f"{tag:<10} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
+            lines.append(f"{tag:<{w}} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
                          f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}")
     lines.extend(_served_lines(summary))
     if "peer" in summary:
@@ -206,7 +207,7 @@ def _served_lines(summary: dict) -> list[str]:
                            f"{best['pp512_tps'] / peer_streamed['pp512_tps']:.2f}x, aggregate "
                            + ", ".join(f"{c['streams']}x {c['aggregate_tps'] / levels[c['streams']]:.2f}x"
                                        for c in best["concurrency"] if levels.get(c["streams"])) + ")")
-            lines.append(f"{tag:<10} streamed {served_line(best)}{vs_peer}")
+            lines.append(f"{tag} streamed {served_line(best)}{vs_peer}")
     # the offline engine runs in one process, as llama-bench does: compare it with llama-bench's served GGUF
     in_process = next(iter(peer.get("llama_bench", {}).values()), {})
     for path, off in summary.get("offline", {}).items():
