@@ -80,3 +80,16 @@ def test_synth_refuses_a_folder_that_is_not_empty(tmp_path: Path) -> None:
 def test_synth_names_the_presets_on_a_wrong_one(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["synth", "--like", "gpt-5", "--out", str(tmp_path / "x")])
     assert result.exit_code == exit_codes.USAGE and "smollm2-1.7b" in result.output
+
+
+@pytest.mark.parametrize("name", sorted(synth.PRESETS))
+def test_plan_sizes_each_preset_from_its_config(name: str, tmp_path: Path) -> None:
+    """What synth is for: `spark-edge plan --model DIR` sizes a box for the model before its weights exist."""
+    (tmp_path / "config.json").write_text(json.dumps(synth.hf_config(name, synth.PRESETS[name], 0, 1, 2)))
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--weight-path", "w4a16",
+                                       "--memory-limit", str(8 << 30), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    params = sum(math.prod(s.shape) for s in synth.tensor_specs(synth.PRESETS[name]))
+    assert 0.45 * params < plan["weights_bytes"] < 0.8 * params  # about 4.5-5 bits per weight, head included
+    assert plan["fits"]
