@@ -7,15 +7,17 @@ import sys
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from spark_edge import exit_codes, weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
-from spark_edge.bench.peer_arms import PEERS
-from spark_edge.bench.peer_build import PeerUnavailable
-from spark_edge.bench.runner import Arm
+from spark_edge.bench.peer_build import PEERS, PeerUnavailable
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+
+if TYPE_CHECKING:  # the CLI imports this module at start: the runner (requests) loads when used
+    from spark_edge.bench.runner import Arm
 
 
 # Variants an arm can switch on with "+NAME", to measure one change side by side.
@@ -72,6 +74,7 @@ def _peer_arm(model: Path | None) -> Arm:
 
     from spark_edge.bench.peer_arms import Peer
     from spark_edge.bench.peer_build import ensure_built, ensure_ggufs
+    from spark_edge.bench.runner import Arm
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
@@ -139,7 +142,7 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
         _kernel_bench(model, group_size, kernels_out)
         return
     from spark_edge.bench.fidelity import text_chunks
-    from spark_edge.bench.runner import format_table, run_passes, summarize, write_json
+    from spark_edge.bench.runner import Arm, format_table, run_passes, summarize, write_json
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir, spark_edge_home

