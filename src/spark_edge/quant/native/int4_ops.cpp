@@ -52,6 +52,13 @@ void check_buffers(const at::Tensor &x, const at::Tensor &weight, const at::Tens
                 sz.sizes(), " does not match N=", n, ", K=", k, ", group size ", group);
 }
 
+/* The policy int4_configure set; every op needs it (the layout), so a process that never set it fails clearly. */
+const Policy &configured() {
+    const Policy *p = policy.load();
+    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    return *p;
+}
+
 }  // namespace
 
 void int4_configure(int64_t block, bool halves, int64_t q8_max_rows, int64_t native_max_rows,
@@ -69,8 +76,7 @@ bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool 
 bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
 
 at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
-    const Policy *p = policy.load();
-    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    const Policy *p = &configured();
     check_buffers(x_in, weight, sz, group);
     const at::Tensor x = x_in.contiguous();
     const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
@@ -82,8 +88,7 @@ at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const 
 }
 
 at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
-    const Policy *p = policy.load();
-    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    const Policy *p = &configured();
     check_buffers(x_in, weight, sz, group);
     const at::Tensor x = x_in.contiguous();
     const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
@@ -97,8 +102,7 @@ at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, con
 }
 
 at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
-    const Policy *p = policy.load();
-    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    const Policy *p = &configured();
     const int64_t n = weight.size(0), k = weight.size(1) * 2;
     check_buffers(at::empty({0, k}, sz.options()), weight, sz, group);
     at::Tensor out = at::empty({k, n}, sz.options());
@@ -108,8 +112,7 @@ at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int
 }
 
 at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
-    const Policy *p = policy.load();
-    TORCH_CHECK(p != nullptr, "spark_edge::int4_configure was not called in this process");
+    const Policy *p = &configured();
     check_buffers(x, weight, sz, group);
     const int64_t m = x.size(0);
     if (m == 0) return at::empty({0, weight.size(0)}, x.options());
