@@ -470,7 +470,10 @@ def test_merged_qkv_and_gate_up_load_and_match_reference(vllm_tp1: None, direct:
             x = torch.randn(rows, reference.shape[1]).to(BF16)
             out = layer(x)[0]
             assert out.shape == (rows, reference.shape[0])
-            assert q4.snr_db(x.float() @ reference.t(), out.float()) > 40, (layer.prefix, rows)
+            # decode rows may take the int8-activation kernel: int8 per 32-K block costs about 1% of the norm
+            n, k = reference.shape
+            floor = _snr_floor(rows, n, k) if direct else 40
+            assert q4.snr_db(x.float() @ reference.t(), out.float()) > floor, (layer.prefix, rows)
     with pytest.raises(TypeError, match="bfloat16"):
         qkv(torch.randn(2, 576))
 
@@ -512,8 +515,17 @@ def test_tied_embedding_and_head_share_one_quantized_table(vllm_tp1: None, direc
         x = torch.randn(m, hidden).to(BF16)
         logits = head.quant_method.apply(head, x)
         assert logits.shape == (m, 1024)
-        assert q4.snr_db(x.float() @ reference.float().t(), logits[:, :vocab].float()) > 40
+        floor = _snr_floor(m, 1024, hidden)
+        assert q4.snr_db(x.float() @ reference.float().t(), logits[:, :vocab].float()) > floor
         assert float(logits[:, vocab:].abs().max()) == 0.0  # padding rows decode to zero
+
+
+def _snr_floor(rows: int, n: int, k: int) -> int:
+    """40 dB against the exact product, 30 where the int8-activation kernel serves (int8 activations per
+    32-K block cost about 1% of the result's norm; its exact bound is tested in test_int4_kernels.py)."""
+    from spark_edge.quant import cpu_int4_op
+
+    return 30 if cpu_int4_op.kernel_for(rows, n, k, 32) == "q8" else 40
 
 
 def test_untied_head_has_its_own_table(vllm_tp1: None) -> None:
@@ -525,7 +537,7 @@ def test_untied_head_has_its_own_table(vllm_tp1: None) -> None:
     _process(head)
     x = torch.randn(1, 64).to(BF16)
     reference = x.float() @ q4.dequantize_weight(q).t()
-    assert q4.snr_db(reference, head.quant_method.apply(head, x).float()) > 40
+    assert q4.snr_db(reference, head.quant_method.apply(head, x).float()) > _snr_floor(1, 256, 64)
 
 
 def test_unquantized_embedding_when_disabled(vllm_tp1: None) -> None:
