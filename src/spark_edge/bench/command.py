@@ -79,10 +79,14 @@ def _peer_arm(model: Path | None) -> Arm:
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+    from spark_edge.probe.cpu_features import first_processor_fields
     from spark_edge.probe.device import probe_device
 
     device = probe_device()
-    bin_dir = ensure_built(device.features, platform.machine(), _log)
+    # the build names ISA extensions one by one on AMX hosts: the kernel's whole flag list, not the probe's
+    # subset of what vLLM needs (which leaves out avx, bmi2, avx512vbmi)
+    flags = first_processor_fields(Path("/proc/cpuinfo").read_text()).get("flags", "").split()
+    bin_dir = ensure_built(frozenset(flags) or device.features, platform.machine(), _log)
     bf16 = build_checkpoint(model, "bf16", checkpoint_dir(model_id(model), "bf16"), log=_log).out
     ggufs = ensure_ggufs(bin_dir, bf16, _log)
     peer = Peer(bin_dir, ggufs, device.cpus.usable_cores, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS)
