@@ -30,6 +30,7 @@ from spark_edge.models.spark_reference import SparkReference
 from spark_edge.models.tiny_spark import TinySparkShape, make_tiny_spark, spark_config
 from spark_edge.planning.memory_plan import KV_BLOCK_TOKENS, kv_bytes_for, make_plan
 from spark_edge.planning.model_shape import ModelShape
+from spark_edge.quant.cpu_int4_op import kernel_for
 
 AMX = torch.cpu._is_amx_tile_supported()
 NO_AMX_REASON = ("this CPU has no usable AMX tiles (torch.cpu._is_amx_tile_supported() is False): vLLM would run "
@@ -40,6 +41,8 @@ FULL_SIZE = dict(spark_config(TinySparkShape(layers=28, hidden=2048, intermediat
 
 WINDOW = 512  # the real window: prompts below are longer than it
 MAX_MODEL_LEN = 2048
+TINY_HIDDEN = TinySparkShape().hidden
+W4A16_GROUP = 128
 BATCHED_TOKENS = 256  # chunked prefill: a long prompt crosses the window inside prefill, several times
 PROMPT_LEN = 1536  # three windows
 
@@ -209,7 +212,7 @@ def tiny_spark(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def builds(tiny_spark: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny checkpoint built for each weight path, as `spark-edge build --model` does."""
     root = tmp_path_factory.mktemp("tiny-spark-builds")
-    params = {"bf16": {}, "w4a16": {"group_size": 128, "search": False}, "w4a8": {"group_size": 128}}
+    params = {"bf16": {}, "w4a16": {"group_size": W4A16_GROUP, "search": False}, "w4a8": {"group_size": 128}}
     return {p: build_checkpoint(tiny_spark, p, root / p, params[p]).out for p in params}
 
 
@@ -390,8 +393,10 @@ BF16_MAX_NAT = 1.0
 # The 4-bit engines against the reference on their own checkpoint's decoded weights (700-token prompt):
 # w4a16 measured 0.089 nat mean (prefill; decode 0.085): bf16 activations on both kernels, plus the
 # 4-bit tied table looked up through the kernel buffer. w4a8 measured 0.23 (decode 0.21): vLLM's AMX
-# kernel quantizes activations to int8 per token. Bounds ~1.7-2x the measurement; a misloaded shard,
-# a wrong zero point or a wrong head moves the mean by whole nats.
+# kernel quantizes activations to int8 per token. Where spark-edge's int8-activation kernel takes decode
+# rows (Intel Skylake-SP, AVX-512 without VNNI): prefill 0.081, decode 0.26, and int8 rounding alone costs
+# the float64 reference 0.24 on those positions (0.073 with SPARK_EDGE_INT4_Q8=0). Bounds ~1.7-2x the
+# measurement; a misloaded shard, a wrong zero point or a wrong head moves the mean by whole nats.
 W4A16_MEAN_NAT = 0.15
 W4A8_MEAN_NAT = 0.5
 
@@ -559,16 +564,27 @@ def _quantized_run(llm: Any) -> dict[str, Any]:
             "prompt_lp": _logprob_matrix(out.prompt_logprobs[1:], 512), "gen_lp": _logprob_matrix(gen.logprobs, 512)}
 
 
-def _compare_to_dequantized_reference(checkpoint: Path, run: dict[str, Any], mean_nat: float) -> None:
+def _compare_to_dequantized_reference(checkpoint: Path, run: dict[str, Any], mean_nat: float,
+                                     int8_decode: bool = False) -> None:
     """vLLM on a 4-bit checkpoint against the float64 reference on the same checkpoint's decoded weights:
-    what is left is activation rounding (and, on W4A8, int8 activations), not the 4-bit grid."""
-    ref = SparkReference(checkpoint).log_probs(run["prompt"] + run["tokens"])
+    what is left is activation rounding (and, on W4A8, int8 activations), not the 4-bit grid.
+    int8_decode: the engine's decode steps (positions from the prompt's length on) quantize activations to
+    int8 per 32 inputs. Their rounding cannot be replayed (the engine's activations differ from float64's
+    by more than an int8 step after a few layers), so the decode bound grows by the noise int8 rounding
+    costs the reference itself on those positions: independent noises, the bound adds them linearly."""
+    tokens = run["prompt"] + run["tokens"]
+    ref = SparkReference(checkpoint).log_probs(tokens)
     n = len(run["prompt"])
+    decode_rows = slice(n - 1, n - 1 + len(run["tokens"]))
     prefill = _deviation(run["prompt_lp"], ref[: n - 1])
-    decode = _deviation(run["gen_lp"], ref[n - 1 : n - 1 + len(run["tokens"])])
+    decode = _deviation(run["gen_lp"], ref[decode_rows])
+    int8_noise = 0.0
+    if int8_decode:
+        int8_noise = _deviation(SparkReference(checkpoint, int8_rows_from=n).log_probs(tokens)[decode_rows],
+                                ref[decode_rows])[0]
     print(f"\nmean/max |delta log-prob| against the decoded checkpoint: prefill {prefill[0]:.4f}/{prefill[1]:.3f}, "
-          f"decode {decode[0]:.4f}/{decode[1]:.3f}")
-    assert prefill[0] < mean_nat and decode[0] < mean_nat
+          f"decode {decode[0]:.4f}/{decode[1]:.3f}; int8 activations cost the reference {int8_noise:.4f} on decode")
+    assert prefill[0] < mean_nat and decode[0] < mean_nat + int8_noise
 
 
 @pytest.fixture(scope="class")
@@ -592,8 +608,10 @@ class TestW4A16Engine:
         assert facts["gate"] == ["Parameter"] * 4  # g_proj stays a bf16 parameter
         run = _quantized_run(w4a16_llm)
         assert len(run["tokens"]) == 16
-        # weights decoded alike on both sides: bf16-level agreement (tinygemm decodes, dequant + oneDNN prefills)
-        _compare_to_dequantized_reference(builds["w4a16"], run, mean_nat=W4A16_MEAN_NAT)
+        # weights decoded alike on both sides, and decode's int8 activations too where that kernel serves
+        # one row: bf16-level agreement
+        q8 = kernel_for(1, TINY_HIDDEN, TINY_HIDDEN, group=W4A16_GROUP) == "q8"
+        _compare_to_dequantized_reference(builds["w4a16"], run, mean_nat=W4A16_MEAN_NAT, int8_decode=q8)
 
 
 @pytest.fixture(scope="class")

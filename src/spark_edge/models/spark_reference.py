@@ -20,6 +20,10 @@ logits = (rmsnorm(x) * w_final) @ E^T      (E: the embedding, tied, or lm_head)
 Also reads the 4-bit checkpoints spark-edge writes, decoding them with its own few lines:
 cpu_int4 (w = (q - 8) * scale + zero, row-major nibbles, low nibble first) and symmetric
 GPTQ (w = (q - 8) * scale, codes packed 8 per int32 along K).
+
+int8_rows_from=P models int8 activations on the positions from P on, as a kernel that quantizes them
+computes: each 4-bit linear's input row rounded to int8 per 32 inputs (d = max|x| / 127) against the
+code part q * scale of the weights, the exact input against the offset part zero - 8 * scale.
 """
 
 from __future__ import annotations
@@ -43,12 +47,21 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _cpu_int4_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+def _cpu_int4_parts(t: dict[str, torch.Tensor], prefix: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * scale, zero - 8 * scale): the code part and the offset part of w = (q - 8) * scale + zero."""
     packed = t[f"{prefix}.weight_packed"]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).double()
     scale = t[f"{prefix}.weight_scale"].double().repeat_interleave(group, dim=1)
     zero = t[f"{prefix}.weight_zero"].double().repeat_interleave(group, dim=1)
-    return (codes - 8) * scale + zero
+    return codes * scale, zero - 8 * scale
+
+
+def _int8_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded to int8 per row and block of inputs, symmetric, d = max|x| / 127."""
+    xb = x.reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(dim=2, keepdim=True) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    return (torch.round(xb / safe).clamp(-127, 127) * d).reshape(x.shape)
 
 
 def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
@@ -76,18 +89,28 @@ class _Weights:
             return self.t[name].double()
         prefix = name.removesuffix(".weight")
         if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
-            return _cpu_int4_weight(self.t, prefix, self.group)
+            return sum(_cpu_int4_parts(self.t, prefix, self.group))
         if self.method == "gptq" and f"{prefix}.qweight" in self.t:
             return _gptq_weight(self.t, prefix, self.group)
         raise KeyError(f"reference: no tensor for {name}")
 
+    def offset(self, name: str) -> torch.Tensor | None:
+        """The offset part of a cpu_int4 weight (see the module docstring); None for any other tensor."""
+        prefix = name.removesuffix(".weight")
+        if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
+            return _cpu_int4_parts(self.t, prefix, self.group)[1]
+        return None
+
     def qkv(self, i: int) -> torch.Tensor:
-        fused = f"model.layers.{i}.self_attn.q_k_v_proj.weight"
         try:
-            return self.get(fused)
+            return self.get(qkv_name(i))
         except KeyError:  # the GPTQ export writes the three parts
             parts = [self.get(f"model.layers.{i}.self_attn.{p}_proj.weight") for p in "qkv"]
             return torch.cat(parts)
+
+
+def qkv_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.q_k_v_proj.weight"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,8 +139,9 @@ def attention_mask(t: int, window: int | None) -> torch.Tensor:
 
 class SparkReference:
     def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float64,
-                 window_override: int | None = -1) -> None:
-        """window_override: -1 keeps the config's window; None turns windows off (every layer full)."""
+                 window_override: int | None = -1, int8_rows_from: int | None = None) -> None:
+        """window_override: -1 keeps the config's window; None turns windows off (every layer full).
+        int8_rows_from: see the module docstring (None: every activation exact)."""
         folder = Path(folder)
         self.config = json.loads((folder / "config.json").read_text())
         self.dtype = dtype
@@ -134,21 +158,41 @@ class SparkReference:
         cast = lambda x: x.to(dtype)  # noqa: E731
         self.embedding = cast(w.get("model.embedding.weight"))
         tied = c.get("tie_word_embeddings", False)
-        self.head = self.embedding if tied else cast(w.get("lm_head.weight"))
+        head_name = "model.embedding.weight" if tied else "lm_head.weight"
+        self.head = self.embedding if tied else cast(w.get(head_name))
         self.final_norm = cast(w.get("model.norm.weight"))
+        self.int8_rows_from = int8_rows_from
+        # offset parts of the 4-bit linears, by weight identity; kept only when int8 rows are modelled
+        self.offsets: dict[int, torch.Tensor] = {}
+        offset = (lambda name: w.offset(name)) if int8_rows_from is not None else (lambda name: None)  # noqa: E731
+
+        def linear(name: str, weight: torch.Tensor) -> torch.Tensor:
+            if (part := offset(name)) is not None:
+                self.offsets[id(weight)] = cast(part)
+            return weight
+
+        self.head = linear(head_name, self.head)
         self.layers = []
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}"
             self.layers.append({
                 "in_norm": cast(w.get(f"{p}.input_layernorm.weight")),
-                "qkv": cast(w.qkv(i)),
+                "qkv": linear(qkv_name(i), cast(w.qkv(i))),
                 "gate": cast(w.get(f"{p}.self_attn.g_proj.weight")),
-                "out": cast(w.get(f"{p}.self_attn.out_proj.weight")),
+                "out": linear(f"{p}.self_attn.out_proj.weight", cast(w.get(f"{p}.self_attn.out_proj.weight"))),
                 "post_norm": cast(w.get(f"{p}.post_attention_layernorm.weight")),
-                "mlp_gate": cast(w.get(f"{p}.mlp.gate_proj.weight")),
-                "mlp_up": cast(w.get(f"{p}.mlp.up_proj.weight")),
-                "mlp_down": cast(w.get(f"{p}.mlp.down_proj.weight")),
+                **{key: linear(f"{p}.mlp.{name}.weight", cast(w.get(f"{p}.mlp.{name}.weight")))
+                   for key, name in (("mlp_gate", "gate_proj"), ("mlp_up", "up_proj"), ("mlp_down", "down_proj"))},
             })
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T, with the rows from int8_rows_from on as an int8-activation kernel computes them."""
+        y = x @ weight.t()
+        offset = self.offsets.get(id(weight))
+        if offset is not None and self.int8_rows_from is not None:
+            tail = x[self.int8_rows_from:]
+            y[self.int8_rows_from:] = _int8_rounded(tail) @ (weight - offset).t() + tail @ offset.t()
+        return y
 
     def _rope(self, layer_type: str) -> tuple[float, int]:
         params = self.config["rope_parameters"][layer_type]
@@ -157,7 +201,7 @@ class SparkReference:
 
     def _attention(self, layer: dict, h: torch.Tensor, positions: torch.Tensor, layer_type: str) -> torch.Tensor:
         t = h.shape[0]
-        qkv = h @ layer["qkv"].t()
+        qkv = self._linear(h, layer["qkv"])
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
         k = qkv[:, q_size:q_size + kv_size].reshape(t, self.kv_heads, self.head_dim)
@@ -174,12 +218,12 @@ class SparkReference:
         score = h @ layer["gate"].t()  # [T, heads]
         gate = torch.sigmoid(score) if self.gate_act == "sigmoid" else torch.nn.functional.silu(score)
         out = out * gate[:, :, None]
-        return out.reshape(t, q_size) @ layer["out"].t()
+        return self._linear(out.reshape(t, q_size), layer["out"])
 
     def _mlp(self, layer: dict, h: torch.Tensor) -> torch.Tensor:
-        gate = h @ layer["mlp_gate"].t()
+        gate = self._linear(h, layer["mlp_gate"])
         gelu = 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2)))
-        return (gelu * (h @ layer["mlp_up"].t())) @ layer["mlp_down"].t()
+        return self._linear(gelu * self._linear(h, layer["mlp_up"]), layer["mlp_down"])
 
     @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -190,7 +234,7 @@ class SparkReference:
         for layer, layer_type in zip(self.layers, self.layer_types):
             x = x + self._attention(layer, rms_norm(x, layer["in_norm"], self.eps), positions, layer_type)
             x = x + self._mlp(layer, rms_norm(x, layer["post_norm"], self.eps))
-        return rms_norm(x, self.final_norm, self.eps) @ self.head.t()
+        return self._linear(rms_norm(x, self.final_norm, self.eps), self.head)
 
     def log_probs(self, token_ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(self.logits(token_ids).double(), dim=-1)
