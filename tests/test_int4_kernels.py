@@ -249,3 +249,27 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
                 op(*args)
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):  # a 16-channel tail
         ops.int4_gemm_q8(x, torch.zeros(80, k // 2, dtype=torch.uint8), torch.zeros(k // g, 80, 2, dtype=BF16), g)
+
+
+def test_kernel_bench_times_every_kernel_on_a_correct_product(ops: object) -> None:
+    """`bench --kernels`: vLLM's cpu_gemm_wna16, set up as vLLM lays its weights out, computes the product it
+    is timed for (bf16 weights and result: within 1%), and a tiny run fills every column of the table."""
+    from spark_edge.bench import kernels
+
+    n, k, g = 96, 256, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // g) * 0.02 + 1e-3).to(BF16)
+    zero_points = torch.randint(0, 16, (n, k // g), dtype=torch.uint8)
+    weight = (codes.double() - zero_points.double().repeat_interleave(g, 1)) * scale.double().repeat_interleave(g, 1)
+    wna16 = kernels.vllm_wna16(codes, scale, zero_points, g)
+    assert wna16 is not None and kernels.vllm_wna16(codes[:80], scale[:80], zero_points[:80], g) is None  # N % 32
+    for m in (1, 3, 17):
+        x = torch.randn(m, k).to(BF16)
+        reference = x.double() @ weight.t()
+        assert (wna16(x).double() - reference).norm() <= 0.01 * reference.norm(), m
+    results = kernels.measure([("o_proj", 64, 64)], 32, rows=(1, 64))
+    assert [r["rows"] for r in results] == [1, 64]
+    assert {"native_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms"} <= set(results[1])
+    assert "tinygemm_rows_ms" in results[0] and "tinygemm_rows_ms" not in results[1]
+    table = kernels.format_markdown(results, "tiny", 32)
+    assert table.count("| o_proj | 64 x 64 |") == 2 and "vLLM wna16 ms" in table

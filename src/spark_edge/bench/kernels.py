@@ -3,8 +3,10 @@
 For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
 time of one call of: spark-edge's native GEMM (fp32 activations), its int8-activation GEMM (decode row
 counts, where the build and shape have it), PyTorch's tinygemm one row at a time (the previous
-decode path), the weight dequantized to bf16 + oneDNN (the previous prefill path), and bf16's own GEMM
-on the same weight (what the bf16 weight path runs). Kernels are interleaved round by round and the
+decode path), the weight dequantized to bf16 + oneDNN (the previous prefill path), vLLM's own 4-bit CPU
+GEMM `cpu_gemm_wna16` (its GPTQ/AWQ W4A16 kernel, weights repacked as vLLM's CPUWNA16LinearKernel does;
+integer zero points where ours are bf16, the same bytes per weight), and bf16's own GEMM on the same
+weight (what the bf16 weight path runs). Kernels are interleaved round by round and the
 best round kept, so a noisy neighbour slows them alike. Writes a markdown table naming the host
 (docs/int4-kernels.md is this table, regenerated with `spark-edge bench --kernels --kernels-out ...`).
 """
@@ -32,6 +34,31 @@ def model_shapes(config: dict) -> list[tuple[str, int, int]]:
             ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter), ("lm_head", config["vocab_size"], hidden)]
 
 
+def vllm_wna16(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+               group: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> x @ ((codes - zero_points) * scale)^T through vLLM's `cpu_gemm_wna16`, with the weights laid out as
+    vLLM's CPUWNA16LinearKernel lays them out (16-channel blocks, 8 codes per int32 along N). codes and
+    zero_points uint8 [N, K] / [N, K / group], scale bf16 [N, K / group]. None where vLLM cannot take the
+    shape (N or K not a multiple of 32) or its CPU ops are not importable."""
+    n, k = codes.shape
+    if n % 32 or k % 32:
+        return None
+    try:
+        from vllm import _custom_ops as vllm_ops
+        from vllm.model_executor.kernels.linear.mixed_precision.cpu import _get_isa_hint
+        from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
+        from vllm.scalar_type import scalar_types
+    except ImportError:
+        return None
+    per_n = pack_quantized_values_into_int32(codes.t().to(torch.int32), scalar_types.uint4, 1)  # [K, N / 8]
+    weight = per_n.reshape(k, -1, 2).permute(1, 0, 2).reshape(-1, k * 2).contiguous()  # 16 channels a block
+    zeros = pack_quantized_values_into_int32(zero_points.t().to(torch.int32), scalar_types.uint4, 1).contiguous()
+    scales = scale.t().contiguous()  # [K / group, N]
+    isa = _get_isa_hint(scales.dtype)
+    return lambda x: vllm_ops.cpu_gemm_wna16(input=x, q_weight=weight, scales=scales, zeros=zeros, bias=None,
+                                             pack_factor=8, isa_hint=isa)
+
+
 def _time(fn: Callable[[], object], budget_s: float) -> float:
     fn()  # warm: first-touch, thread pool
     calls, start = 0, time.perf_counter()
@@ -57,6 +84,9 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
         sz = tl.scales_and_zeros((torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
                                  (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16))
         weight_t = ops.int4_dequant_t(buf, sz, group)
+        wna16 = vllm_wna16(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+                           (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+                           torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen), group)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             kernels = {
@@ -66,6 +96,8 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
                 "dequant_mm": lambda: torch.mm(x, ops.int4_dequant_t(buf, sz, group)),
                 "bf16_mm": lambda: torch.mm(x, weight_t),
             }
+            if wna16 is not None:
+                kernels["vllm_wna16"] = lambda: wna16(x)
             if m > TINYGEMM_MAX_ROWS:  # never run row by row at prefill sizes (seconds per call on the head)
                 del kernels["tinygemm_rows"]
             layout = tl.detect_layout()
@@ -88,18 +120,19 @@ def host_line() -> str:
 
 def format_markdown(results: list[dict], model: str, group: int) -> str:
     lines = [f"Model: {model}, group {group}. Host: {host_line()}.", "",
-             "| layer | N x K | rows | native ms | q8 ms | tinygemm rows ms | dequant + mm ms | bf16 mm ms | "
-             "spark-edge's best vs best other |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| layer | N x K | rows | native ms | q8 ms | tinygemm rows ms | dequant + mm ms | vLLM wna16 ms | "
+             "bf16 mm ms | spark-edge's best vs best other |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r: dict, key: str) -> str:
         return f"{r[key]:.3f}" if key in r else "-"
 
     for r in results:
-        others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "bf16_mm_ms") if key in r]
+        others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms") if key in r]
         ours = min(r[key] for key in ("native_ms", "q8_ms") if key in r)
         lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | {cell(r, 'q8_ms')} | "
-                     f"{cell(r, 'tinygemm_rows_ms')} | {r['dequant_mm_ms']:.3f} | {r['bf16_mm_ms']:.3f} | "
+                     f"{cell(r, 'tinygemm_rows_ms')} | {r['dequant_mm_ms']:.3f} | {cell(r, 'vllm_wna16_ms')} | "
+                     f"{r['bf16_mm_ms']:.3f} | "
                      f"{min(others) / ours:.2f}x |")
     return "\n".join(lines) + "\n"
 
