@@ -165,12 +165,14 @@ def _q8_or_skip(ops: object, n: int, k: int, g: int) -> None:
         pytest.skip("no int8-activation kernel in this build or layout (AVX512BW, 64-channel blocks)")
 
 
+@pytest.mark.parametrize("form", sorted(ni.Q8_FORMS))
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n,k", Q8_SHAPES)
-def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int) -> None:
+def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int, form: str) -> None:
     """Integer dots of the int8 activations and 4-bit codes are exact; what is left is fp32 scaling (2^-12 of
     sum |x w|) and the bf16 result (2^-8 relative). Against the exact product, the int8 activations cost
-    about 1% of the result's norm."""
+    about 1% of the result's norm. Each form of the inner product in turn (quads: vpdpbusd with VNNI, its
+    stand-in without)."""
     if k % g:
         pytest.skip("K is not a multiple of this group size")
     _q8_or_skip(ops, n, k, g)
@@ -178,14 +180,15 @@ def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: i
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
     for m in ROWS:
         x = torch.randn(m, k).to(BF16)
-        got = ops.int4_gemm_q8(x, buf, sz, g)
+        got = ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form])
         magnitude = x.double().abs() @ exact.double().abs().t()
         assert ni.gemm_q8_within_tolerance(got, ni.gemm_q8_reference(x, codes, scale, zero, g), magnitude), (m, n, k)
         full = x.double() @ exact.double().t()
         assert (got.double() - full).norm() <= 0.03 * full.norm(), (m, n, k, g)
 
 
-def test_gemm_q8_integer_accumulation_is_exact(ops: object) -> None:
+@pytest.mark.parametrize("form", sorted(ni.Q8_FORMS))
+def test_gemm_q8_integer_accumulation_is_exact(ops: object, form: str) -> None:
     """Activations whose int8 quantization is exact (integers, 127 in every 32-block), scale 1, zero 8: the
     result is the exact integer dot product, up to its rounding to bf16."""
     n, k, g = 128, 256, 64
@@ -198,7 +201,7 @@ def test_gemm_q8_integer_accumulation_is_exact(ops: object) -> None:
         x[:, ::32] = 127  # d = 1 in every block
         x = x.to(BF16)
         exact = (x.double() @ codes.double().t()).to(BF16)
-        assert torch.equal(ops.int4_gemm_q8(x, buf, sz, g), exact)
+        assert torch.equal(ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form]), exact)
 
 
 def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
@@ -207,11 +210,15 @@ def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
     _q8_or_skip(ops, n, k, g)
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    # the build's form: vpdpbusd quads where the compiler targets AVX512-VNNI (-march=native), pairs elsewhere
+    vnni = "avx512_vnni" in ni._cpu_flags().split()
+    assert ops.int4_q8_default_form() == ni.Q8_FORMS["quads" if vnni else "pairs"]
     ops.int4_configure(layout.block, layout.halves, 16, -1, 0)
     try:
         for m in (1, 7, 16, 17):
             x = torch.randn(m, k).to(BF16)
-            want = ops.int4_gemm_q8(x, buf, sz, g) if m <= 16 else ops.int4_gemm(x, buf, sz, g)
+            default = ops.int4_q8_default_form()
+            want = ops.int4_gemm_q8(x, buf, sz, g, default) if m <= 16 else ops.int4_gemm(x, buf, sz, g)
             assert torch.equal(ops.int4_linear(x, buf, sz, g), want), m
     finally:
         _configure_host()
@@ -247,6 +254,9 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
         for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8):
             with pytest.raises(RuntimeError, match=message):
                 op(*args)
+    if ops.int4_q8_supported(n, k, g, tl.detect_layout().block, tl.detect_layout().halves):
+        with pytest.raises(RuntimeError, match="form must be"):
+            ops.int4_gemm_q8(x, buf, sz, g, 3)
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):  # a 16-channel tail
         ops.int4_gemm_q8(x, torch.zeros(80, k // 2, dtype=torch.uint8), torch.zeros(k // g, 80, 2, dtype=BF16), g)
 
@@ -272,4 +282,6 @@ def test_kernel_bench_times_every_kernel_on_a_correct_product(ops: object) -> No
     assert {"native_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms"} <= set(results[1])
     assert "tinygemm_rows_ms" in results[0] and "tinygemm_rows_ms" not in results[1]
     table = kernels.format_markdown(results, "tiny", 32)
+    if ops.int4_q8_supported(64, 64, 32, tl.detect_layout().block, tl.detect_layout().halves):
+        assert {"q8_pairs_ms", "q8_quads_ms"} <= set(results[0]) and "q8_pairs_ms" not in results[1]
     assert table.count("| o_proj | 64 x 64 |") == 2 and "vLLM wna16 ms" in table

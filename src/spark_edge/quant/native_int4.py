@@ -5,7 +5,8 @@
   spark-edge's own `int4_gemm` (native/int4_gemm.cpp: each 4-bit weight read from memory once per call
   whatever M), ATen's tinygemm one row at a time, or the whole weight dequantized and ATen's mm.
 - `int4_gemm`, `int4_gemm_q8` (native/int4_gemm_q8.cpp: int8 activations per 32-K block against the 4-bit
-  codes, integer dot products, for decode), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one
+  codes, integer dot products, for decode; `form` picks vpmaddubsw pairs or 4-byte quads, vpdpbusd with
+  AVX512-VNNI and an exact stand-in without, so both forms are checked on every AVX512BW host), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one
   pass): the kernels alone.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
@@ -42,6 +43,8 @@ NATIVE_DIR = Path(__file__).parent / "native"
 SOURCES = tuple(NATIVE_DIR / name for name in ("int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_dequant.cpp"))
 HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h"))
 LIBRARY_NAME = "spark_edge_int4.so"
+# int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
+Q8_FORMS = {"pairs": 1, "quads": 2}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -136,7 +139,8 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_gemm_q8")
-    def _gemm_q8_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    def _gemm_q8_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                      form: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_dequant_t")
@@ -214,8 +218,11 @@ def _self_check() -> None:
         x5, codes = x[:5], kernel_codes(buf)[:64]
         reference = gemm_q8_reference(x5, codes, scale[:64], zero[:64], group)
         magnitude = x5.double().abs() @ weight[:64].double().abs().t()
-        if not gemm_q8_within_tolerance(ops.int4_gemm_q8(x5, buf[:64], sz[:, :64].contiguous(), group), reference, magnitude):
-            raise _Unavailable("the compiled int8-activation int4 GEMM disagrees with the float64 reference")
+        for form in Q8_FORMS.values():
+            got = ops.int4_gemm_q8(x5, buf[:64], sz[:, :64].contiguous(), group, form)
+            if not gemm_q8_within_tolerance(got, reference, magnitude):
+                raise _Unavailable(f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the "
+                                   "float64 reference")
 
 
 @functools.lru_cache(maxsize=None)

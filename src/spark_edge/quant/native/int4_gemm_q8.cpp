@@ -14,6 +14,12 @@
  * Sums are kept in int16 over one 32-K block (at most 8 x 2 x 15 x 127 = 30480, no overflow), then
  * widened, scaled by d_b in fp32, and the group's scale and zero applied once per group.
  *
+ * Two forms of the inner product (Q8_PAIRS above; Q8_QUADS): with AVX512-VNNI, vpdpbusd multiplies four
+ * adjacent bytes and adds them into int32 lanes, so a second level of unpacking (16-bit words of the pairs
+ * of steps k, k+2 with those of k+1, k+3) gives each channel its four codes of a K quad in one 32-bit lane,
+ * and the sums need no widening. Without VNNI the quads form runs on an exact stand-in (vpmaddubsw then
+ * vpmaddwd), so every host can check it; the build's default form is the pairs one there.
+ *
  * AVX512BW (Skylake-SP and later, Zen 4); elsewhere int4_gemm_q8_supported() is false and the fp32
  * kernel (int4_gemm.cpp) serves.
  */
@@ -30,6 +36,11 @@
 #endif
 
 #define QBLOCK 32 /* activation quantization block along K */
+#if defined(__AVX512VNNI__)
+#define Q8_DEFAULT Q8_QUADS
+#else
+#define Q8_DEFAULT Q8_PAIRS
+#endif
 #define QROWS 4 /* activation rows per pass over a block's weights (registers: 4 int16 accumulators a row) */
 
 namespace spark_edge {
@@ -63,6 +74,94 @@ static void activation_pairs(const int8_t *xq, int64_t m, int64_t k, __m512i *pa
             pairs[r * (k / 4) + j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(even)),
                                                          _mm256_set1_epi16(odd), 1);
         }
+}
+
+/* A group ends: tot += s * facc + (z - 8 s) * sum of the group's activations, its scale and zero read once;
+ * facc [ROWS_][4] (channels 16 i .. 16 i + 15 of the block) restarts from zero. */
+template <int ROWS_>
+static inline void apply_group(__m512 (*facc)[4], const float *xsum, int64_t g, int64_t groups, const uint32_t *sz32,
+                               int64_t n, int64_t ch0, float *tot, __m512 eight, __m512i high16) {
+    if (g + 1 < groups)
+        for (int line = 0; line < 4; line++)
+            _mm_prefetch((const char *)(sz32 + (g + 1) * n + ch0) + line * 64, _MM_HINT_T0);
+    for (int i = 0; i < 4; i++) {
+        const __m512i v = _mm512_loadu_si512(sz32 + g * n + ch0 + 16 * i);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 z = _mm512_fnmadd_ps(eight, s, _mm512_castsi512_ps(_mm512_and_si512(v, high16)));
+        for (int r = 0; r < ROWS_; r++) {
+            const __m512 t = _mm512_loadu_ps(tot + r * 64 + 16 * i);
+            const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+            _mm512_storeu_ps(tot + r * 64 + 16 * i, _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(s, facc[r][i], t)));
+            facc[r][i] = _mm512_setzero_ps();
+        }
+    }
+}
+
+/* Per row, per K quad j: the int32 vpdpbusd meets in every lane, bytes (xq[4j], xq[4j+2], xq[4j+1], xq[4j+3])
+ * in the order the two unpack levels leave each channel's codes. */
+static void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *quads) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 4; j++) {
+            const int8_t *q = xq + r * k + 4 * j;
+            quads[r * (k / 4) + j] = (int32_t)((uint32_t)(uint8_t)q[0] | (uint32_t)(uint8_t)q[2] << 8 |
+                                               (uint32_t)(uint8_t)q[1] << 16 | (uint32_t)(uint8_t)q[3] << 24);
+        }
+}
+
+/* acc + the four-byte dot products of unsigned w and signed x per 32-bit lane. */
+static inline __m512i dot_quads(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else  /* exact here: a pair sums to at most 2 x 15 x 127, far from int16 saturation */
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* One 64-channel block, ROWS_ rows, over all K, in the quads form: into tot [ROWS_][64] fp32. */
+template <int ROWS_>
+static void block_rows_quads(const int32_t *quads, const float *d, const float *xsum, int64_t k, int64_t group,
+                             const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
+    /* lo16 lanes hold channels 0-3, 16-19, 8-11, 24-27 and hi16 lanes 4-7, 20-23, 12-15, 28-31: natural order */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i second = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const int64_t groups = k / group, nquads = k / 4, qblocks = k / QBLOCK;
+    __m512 facc[ROWS_][4];
+    for (int r = 0; r < ROWS_; r++)
+        for (int i = 0; i < 4; i++) facc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < qblocks; b++) {
+        __m512i acc[ROWS_][4];
+        for (int r = 0; r < ROWS_; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
+        for (int64_t j = b * (QBLOCK / 4); j < (b + 1) * (QBLOCK / 4); j++) {
+            const __m512i a = _mm512_loadu_si512(wb + j * 128), c = _mm512_loadu_si512(wb + j * 128 + 64);
+            const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
+            /* steps (k, k+2) of channels 0-7, 16-23, 8-15, 24-31, and (k+1, k+3) of the same channels */
+            const __m512i even = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i odd = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512i lo16 = _mm512_unpacklo_epi16(even, odd), hi16 = _mm512_unpackhi_epi16(even, odd);
+            const __m512i w[4] = {_mm512_and_si512(lo16, low4), _mm512_and_si512(hi16, low4),
+                                  _mm512_and_si512(_mm512_srli_epi16(lo16, 4), low4),
+                                  _mm512_and_si512(_mm512_srli_epi16(hi16, 4), low4)};
+            for (int r = 0; r < ROWS_; r++) {
+                const __m512i xv = _mm512_set1_epi32(quads[r * nquads + j]);
+                for (int i = 0; i < 4; i++) acc[r][i] = dot_quads(acc[r][i], w[i], xv);
+            }
+        }
+        for (int r = 0; r < ROWS_; r++) {
+            const __m512 db = _mm512_set1_ps(d[r * qblocks + b]);
+            for (int h = 0; h < 2; h++) { /* w[0], w[1]: low nibbles, channels 0-31; w[2], w[3]: 32-63 */
+                const __m512i lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
+                facc[r][2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi)), db,
+                                                 facc[r][2 * h]);
+                facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi)),
+                                                     db, facc[r][2 * h + 1]);
+            }
+        }
+        if ((b + 1) * QBLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * QBLOCK / group - 1, groups, sz32,
+                                                          n, ch0, tot, eight, high16);
+    }
 }
 
 /* int16 sums of the two row halves of an accumulator, widened and added: 16 int32, channel order of the
@@ -108,43 +207,42 @@ static void block_rows(const __m512i *pairs, const float *d, const float *xsum, 
                 facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), db, facc[r][2 * h + 1]);
             }
         }
-        if ((b + 1) * QBLOCK % group == 0) { /* a group ends: its scale and zero, once */
-            const int64_t g = (b + 1) * QBLOCK / group - 1;
-            if (g + 1 < groups)
-                for (int line = 0; line < 4; line++)
-                    _mm_prefetch((const char *)(sz32 + (g + 1) * n + ch0) + line * 64, _MM_HINT_T0);
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512(sz32 + g * n + ch0 + 16 * i);
-                const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                const __m512 z = _mm512_fnmadd_ps(eight, s, _mm512_castsi512_ps(_mm512_and_si512(v, high16)));
-                for (int r = 0; r < ROWS_; r++) {
-                    const __m512 t = _mm512_loadu_ps(tot + r * 64 + 16 * i);
-                    const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
-                    _mm512_storeu_ps(tot + r * 64 + 16 * i,
-                                     _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(s, facc[r][i], t)));
-                    facc[r][i] = _mm512_setzero_ps();
-                }
-            }
-        }
+        if ((b + 1) * QBLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * QBLOCK / group - 1, groups, sz32,
+                                                          n, ch0, tot, eight, high16);
     }
 }
 
-static void block_all_rows(const __m512i *pairs, const float *d, const float *xsum, int64_t m, int64_t k,
+/* The activations in the form's layout: 64-byte pairs (Q8_PAIRS) or int32 quads (Q8_QUADS), per row and K quad. */
+struct Activations {
+    int form;
+    const __m512i *pairs;
+    const int32_t *quads;
+};
+
+template <int ROWS_>
+static void block_rows_form(const Activations &act, int64_t r0, const float *d, const float *xsum, int64_t k,
+                            int64_t group, const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
+    if (act.form == Q8_QUADS)
+        block_rows_quads<ROWS_>(act.quads + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
+    else
+        block_rows<ROWS_>(act.pairs + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
+}
+
+static void block_all_rows(const Activations &act, const float *d, const float *xsum, int64_t m, int64_t k,
                            int64_t group, const uint8_t *buf, const uint32_t *sz32, int64_t n, int64_t blk,
                            uint16_t *out) {
-    const int64_t groups = k / group, quads = k / 4, qblocks = k / QBLOCK, ch0 = blk * 64;
+    const int64_t groups = k / group, qblocks = k / QBLOCK, ch0 = blk * 64;
     const uint8_t *wb = buf + blk * 64 * (k / 2);
     alignas(64) float tot[QROWS * 64];
     for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
         const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;
         memset(tot, 0, sizeof tot);
-        const __m512i *p = pairs + r0 * quads;
         const float *dr = d + r0 * qblocks, *xs = xsum + r0 * groups;
         switch (rows) { /* constant row counts, so the accumulators stay in registers */
-        case 1: block_rows<1>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
-        case 2: block_rows<2>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
-        case 3: block_rows<3>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
-        default: block_rows<QROWS>(p, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        case 1: block_rows_form<1>(act, r0, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        case 2: block_rows_form<2>(act, r0, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        case 3: block_rows_form<3>(act, r0, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
+        default: block_rows_form<QROWS>(act, r0, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
         }
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < 64; c++) out[(r0 + r) * n + ch0 + c] = float_to_bf16(tot[r * 64 + c]);
@@ -161,17 +259,20 @@ bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, 
 #endif
 }
 
+int int4_gemm_q8_default_form() { return Q8_DEFAULT; }
+
 bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
-                  int64_t k, int64_t group) {
+                  int64_t k, int64_t group, int form) {
 #ifdef __AVX512BW__
+    if (form == Q8_AUTO) form = Q8_DEFAULT;
     const int64_t groups = k / group, qblocks = k / QBLOCK;
-    /* scratch: activation pairs (64-byte aligned), int8 codes, block scales, group sums */
-    const size_t pair_bytes = sizeof(__m512i) * (size_t)(m * (k / 4));
-    const size_t bytes = pair_bytes + (size_t)(m * k) + sizeof(float) * (size_t)(m * qblocks + m * groups) + 64;
+    /* scratch: activations in the form's layout (64-byte aligned), int8 codes, block scales, group sums */
+    const size_t act_bytes = form == Q8_QUADS ? sizeof(int32_t) * (size_t)(m * (k / 4))
+                                              : sizeof(__m512i) * (size_t)(m * (k / 4));
+    const size_t bytes = act_bytes + (size_t)(m * k) + sizeof(float) * (size_t)(m * qblocks + m * groups) + 64;
     char *scratch = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!scratch) return false;
-    __m512i *pairs = (__m512i *)scratch;
-    int8_t *xq = (int8_t *)(scratch + pair_bytes);
+    int8_t *xq = (int8_t *)(scratch + act_bytes);
     float *d = (float *)(((uintptr_t)(xq + m * k) + 63) & ~(uintptr_t)63), *xsum = d + m * qblocks;
     quantize_activations(x, m, k, xq, d);
     for (int64_t r = 0; r < m; r++)
@@ -180,14 +281,18 @@ bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16
             for (int64_t kk = g * group; kk < (g + 1) * group; kk++) s += bf16_to_float(x[r * k + kk]);
             xsum[r * groups + g] = s;
         }
-    activation_pairs(xq, m, k, pairs);
+    Activations act{form, (const __m512i *)scratch, (const int32_t *)scratch};
+    if (form == Q8_QUADS)
+        activation_quads(xq, m, k, (int32_t *)scratch);
+    else
+        activation_pairs(xq, m, k, (__m512i *)scratch);
     const uint32_t *sz32 = (const uint32_t *)sz;
 #pragma omp parallel for schedule(static)
-    for (int64_t blk = 0; blk < n / 64; blk++) block_all_rows(pairs, d, xsum, m, k, group, buf, sz32, n, blk, out);
+    for (int64_t blk = 0; blk < n / 64; blk++) block_all_rows(act, d, xsum, m, k, group, buf, sz32, n, blk, out);
     free(scratch);
     return true;
 #else
-    (void)x, (void)m, (void)buf, (void)sz, (void)out, (void)n, (void)k, (void)group;
+    (void)x, (void)m, (void)buf, (void)sz, (void)out, (void)n, (void)k, (void)group, (void)form;
     return false;
 #endif
 }

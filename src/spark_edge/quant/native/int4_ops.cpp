@@ -2,7 +2,8 @@
  * it with no Python between layers. Which kernel runs is decided per call by the activation rows M and the
  * host policy that Python sets once per process (int4_configure), from the buffer layout it detected and the
  * host's ISA (see cpu_int4_op.py for the reasons):
- *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode;
+ *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode,
+ *            in the build's form (vpdpbusd quads with AVX512-VNNI, vpmaddubsw pairs without);
  *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
@@ -75,6 +76,8 @@ bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool 
 
 bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
 
+int64_t int4_q8_default_form() { return int4_gemm_q8_default_form(); }
+
 at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
     check_buffers(x_in, weight, sz, group);
@@ -87,16 +90,19 @@ at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const 
     return out;
 }
 
-at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group,
+                           int64_t form) {
     const Policy *p = &configured();
     check_buffers(x_in, weight, sz, group);
     const at::Tensor x = x_in.contiguous();
     const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
     TORCH_CHECK(int4_gemm_q8_supported(n, k, group, p->block, p->halves), "int4_gemm_q8: no int8-activation kernel "
                 "for N=", n, ", K=", k, ", group ", group, " on this layout and build");
+    TORCH_CHECK(form == Q8_AUTO || form == Q8_PAIRS || form == Q8_QUADS, "int4_gemm_q8: form must be 0 (the build's), "
+                "1 (pairs) or 2 (quads), got ", form);
     at::Tensor out = at::empty({m, n}, x.options());
     TORCH_CHECK(int4_gemm_q8(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
-                             n, k, group),
+                             n, k, group, static_cast<int>(form)),
                 "int4_gemm_q8: no memory for the int8 copy of a ", m, " x ", k, " activation");
     return out;
 }
@@ -117,7 +123,7 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     const int64_t m = x.size(0);
     if (m == 0) return at::empty({0, weight.size(0)}, x.options());
     if (m <= p->q8_max_rows && int4_gemm_q8_supported(weight.size(0), x.size(1), group, p->block, p->halves))
-        return int4_gemm_q8_op(x, weight, sz, group);
+        return int4_gemm_q8_op(x, weight, sz, group, Q8_AUTO);
     if (p->native_max_rows < 0 || m <= p->native_max_rows) return int4_gemm_op(x, weight, sz, group);
     if (m <= p->row_loop_max_rows) {
         std::vector<at::Tensor> rows;
@@ -134,7 +140,8 @@ TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_native_vectorized(int block, bool halves) -> bool");
     m.def("int4_q8_supported(int n, int k, int group_size, int block, bool halves) -> bool");
     m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
-    m.def("int4_gemm_q8(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_q8_default_form() -> int");
+    m.def("int4_gemm_q8(Tensor x, Tensor weight, Tensor scales_zeros, int group_size, int form=0) -> Tensor");
     m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
 }
@@ -150,6 +157,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_configure", &int4_configure);
     m.impl("int4_native_vectorized", &int4_native_vectorized);
     m.impl("int4_q8_supported", &int4_q8_supported);
+    m.impl("int4_q8_default_form", &int4_q8_default_form);
 }
 
 }  // namespace spark_edge
