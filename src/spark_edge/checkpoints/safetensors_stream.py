@@ -3,7 +3,8 @@
 The safetensors header lists every tensor's offset, so it must be known before the
 first byte of data.  We get it from a plan (name, dtype, shape) computed up front from
 the source's metadata; then tensors arrive one by one, are checked against the plan,
-written and dropped.  Peak memory is one tensor, never the whole model.
+written and dropped.  Peak memory is one tensor, never the whole model; a source that can
+make a tensor a block of rows at a time (RowChunks) keeps even that out of memory.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class TensorSpec:
         return math.prod(self.shape) * _DTYPES[self.dtype][1]
 
 
+@dataclass
+class RowChunks:
+    """A tensor given as consecutive blocks of rows along its first dimension, written as they come."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Iterator[torch.Tensor]
+
+
 def _shard(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     shards: list[list[TensorSpec]] = [[]]
     used = 0
@@ -69,7 +79,7 @@ def _header(specs: list[TensorSpec]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _check(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
+def _check(spec: TensorSpec, name: str, tensor: torch.Tensor | RowChunks) -> None:
     if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
         raise ValueError(
             f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not match the planned "
@@ -77,10 +87,28 @@ def _check(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def _write_chunks(f: object, spec: TensorSpec, tensor: RowChunks) -> None:
+    rows = 0
+    for chunk in tensor.chunks:
+        if chunk.dtype != spec.dtype or tuple(chunk.shape[1:]) != spec.shape[1:]:
+            raise ValueError(f"tensor {spec.name}: a block {tuple(chunk.shape)} {chunk.dtype} does not fit "
+                             f"{spec.shape} {spec.dtype}")
+        rows += chunk.shape[0]
+        if rows > spec.shape[0]:
+            break
+        f.write(_bytes(chunk))  # type: ignore[attr-defined]
+    if rows != spec.shape[0]:
+        raise ValueError(f"tensor {spec.name}: its blocks hold {rows} rows, {spec.shape[0]} planned")
+
+
 def write_safetensors(
     out_dir: Path,
     specs: list[TensorSpec],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | RowChunks]],
     max_shard_bytes: int = 4 << 30,
 ) -> list[str]:
     """Write `tensors` (in the order of `specs`) into shards in `out_dir`; return the file names."""
@@ -102,8 +130,10 @@ def write_safetensors(
                 except StopIteration:
                     raise ValueError(f"the source ran out of tensors before {spec.name}") from None
                 _check(spec, name, tensor)
-                data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-                f.write(data)
+                if isinstance(tensor, RowChunks):
+                    _write_chunks(f, spec, tensor)
+                else:
+                    f.write(_bytes(tensor))
                 weight_map[spec.name] = fname
         written.append(fname)
     if next(stream, None) is not None:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
+from spark_edge.checkpoints.safetensors_stream import RowChunks, TensorSpec, write_safetensors
 
 SYNTHETIC_KEY = "spark_edge_synthetic"
 CHUNK_ROWS = 4096
@@ -124,24 +124,30 @@ def _std(spec: TensorSpec) -> float:
     return 1.0 / math.sqrt(spec.shape[-1])
 
 
-def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
-    """One tensor, drawn from a generator seeded by (seed, name): the same whatever order they are made in.
-    Drawn in chunks of CHUNK_ROWS rows (part of the draw: changing it changes the weights), so the fp32 draw
-    of a 128k-row embedding never exists whole."""
+def random_rows(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
+    """One tensor as blocks of CHUNK_ROWS rows, drawn from a generator seeded by (seed, name): the same
+    whatever order tensors are made in. The block size is part of the draw (changing it changes the
+    weights); no more than one block, fp32 and bf16, is ever in memory."""
     g = torch.Generator().manual_seed(_seed_for(seed, spec.name))
     if spec.name.endswith("norm.weight"):
-        return (1 + 0.1 * torch.randn(spec.shape, generator=g)).to(spec.dtype)
-    out = torch.empty(spec.shape, dtype=spec.dtype)
-    flat = out.view(-1, spec.shape[-1])
-    for start in range(0, flat.shape[0], CHUNK_ROWS):
-        rows = min(CHUNK_ROWS, flat.shape[0] - start)
-        flat[start:start + rows] = torch.randn(rows, spec.shape[-1], generator=g) * _std(spec)
-    return out
+        yield (1 + 0.1 * torch.randn(spec.shape, generator=g)).to(spec.dtype)
+        return
+    width = spec.shape[-1]
+    total = math.prod(spec.shape[:-1])
+    for start in range(0, total, CHUNK_ROWS):
+        rows = min(CHUNK_ROWS, total - start)
+        block = (torch.randn(rows, width, generator=g) * _std(spec)).to(spec.dtype)
+        yield block.view(-1, *spec.shape[1:]) if len(spec.shape) > 1 else block.view(-1)
 
 
-def _tensors(specs: list[TensorSpec], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
+    """The whole tensor random_rows writes block by block (for tests and small tensors)."""
+    return torch.cat(list(random_rows(spec, seed))).view(spec.shape)
+
+
+def _tensors(specs: list[TensorSpec], seed: int) -> Iterator[tuple[str, RowChunks]]:
     for spec in specs:
-        yield spec.name, random_tensor(spec, seed)
+        yield spec.name, RowChunks(spec.dtype, spec.shape, random_rows(spec, seed))
 
 
 def write_synthetic(name: str, out: Path, seed: int = 0) -> Path:
@@ -153,11 +159,12 @@ def write_synthetic(name: str, out: Path, seed: int = 0) -> Path:
         raise FileExistsError(f"{out}: exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     default = open_source(None)  # the default model's tokenizer and chat template
-    default.save_tokenizer(out)
     source_config = default.hf_config()
     config = hf_config(name, preset, seed, source_config.get("bos_token_id", 1), source_config.get("eos_token_id", 2))
     specs = tensor_specs(preset)
     write_safetensors(out, specs, _tensors(specs, seed), max_shard_bytes=2 << 30)
+    # after the weights: converting the GGUF vocabulary holds ~0.5 GiB of Python objects for a while
+    default.save_tokenizer(out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
