@@ -246,6 +246,18 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def test_reference_models_int8_activations_from_a_position(builds: dict[str, Path]) -> None:
+    """int8_rows_from=P: positions before P are computed exactly as without it (causal), those from P on
+    move by int8 rounding noise, not by whole nats; on a checkpoint without 4-bit linears nothing moves."""
+    ids = _ids(64, seed=3)
+    exact = SparkReference(builds["w4a16"]).log_probs(ids)
+    int8 = SparkReference(builds["w4a16"], int8_rows_from=40).log_probs(ids)
+    assert torch.equal(exact[:40], int8[:40])
+    assert 0 < float((exact[40:] - int8[40:]).abs().mean()) < 0.5
+    bf16 = SparkReference(builds["bf16"])
+    assert torch.equal(bf16.log_probs(ids), SparkReference(builds["bf16"], int8_rows_from=40).log_probs(ids))
+
+
 def test_w4a16_build_keeps_spark_names_and_the_gate_in_bf16(builds: dict[str, Path]) -> None:
     t = _tensors(builds["w4a16"])
     p = "model.layers.0.self_attn"
