@@ -207,19 +207,16 @@ bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t 
         }
     const int64_t vector_channels = int4_gemm_vectorized(block, halves) ? n / block * block : 0;
     const int64_t units = vector_channels / 32, rest = n - vector_channels;
-    /* up to TILE_UNITS units a tile, fewer when that would leave a thread without work; even, so that tiles
-     * start on whole blocks */
-    const int64_t per_thread = (units + omp_get_max_threads() - 1) / omp_get_max_threads();
-    const int64_t tile = per_thread >= TILE_UNITS ? TILE_UNITS : (per_thread + 1) / 2 * 2;
 #pragma omp parallel
     {
 #ifdef __AVX512F__
-        /* tiles start on even units (whole blocks), so a tile's scales are contiguous */
-        const int64_t tiles = tile ? (units + tile - 1) / tile : 0;
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t u0 = t * tile;
-            const int count = (int)(units - u0 < tile ? units - u0 : tile);
+        /* Each thread a contiguous run of whole blocks (2 units), as even as blocks allow (9 blocks on 2 threads:
+         * 5 and 4; fixed-size tiles dealt out statically gave one thread 16 units and the other 2), walked in
+         * tiles of up to TILE_UNITS units, which start on whole blocks so a tile's scales are contiguous. */
+        const int64_t blocks = units / 2, nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t u_end = blocks * (tid + 1) / nth * 2;
+        for (int64_t u0 = blocks * tid / nth * 2; u0 < u_end; u0 += TILE_UNITS) {
+            const int count = (int)(u_end - u0 < TILE_UNITS ? u_end - u0 : TILE_UNITS);
             tile_avx512(xf, xsum, m, k, group, buf, sz, n, u0, count, out);
         }
 #endif
@@ -231,7 +228,7 @@ bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t 
             channel_portable(xf, xsum, m, k, group, base, run, shift, sz, n, vector_channels + c, out);
         }
     }
-    (void)units, (void)tile;
+    (void)units;
     free(xf);
     return true;
 }
