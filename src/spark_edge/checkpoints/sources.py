@@ -47,5 +47,6 @@ def model_id(model: str | Path | None) -> str:
     if model is None:
         return DEFAULT_MODEL_ID
     path = Path(model).expanduser().resolve()
-    stem = re.sub(r"[^a-z0-9.]+", "-", path.stem.lower()).strip("-") or "model"
+    name = path.name if path.is_dir() else path.stem  # a folder's dots are its name's ("smollm2-1.7b")
+    stem = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
     return f"{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
