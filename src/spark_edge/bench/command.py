@@ -29,6 +29,9 @@ VARIANTS = {
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
     "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # OpenMP threads sleep instead of spinning between regions
+    # Inductor's C++ wrapper instead of its Python one around the compiled kernels (fewer Python calls per
+    # decode step); it cannot pass vLLM's LayerName objects to custom ops, hence plain-string layer names
+    "cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"},
 }
 
 
