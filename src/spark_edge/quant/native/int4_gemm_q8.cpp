@@ -108,62 +108,6 @@ static void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *qu
         }
 }
 
-/* acc + the four-byte dot products of unsigned w and signed x per 32-bit lane. */
-static inline __m512i dot_quads(__m512i acc, __m512i w, __m512i x) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, w, x);
-#else  /* exact here: a pair sums to at most 2 x 15 x 127, far from int16 saturation */
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
-#endif
-}
-
-/* One 64-channel block, ROWS_ rows, over all K, in the quads form: into tot [ROWS_][64] fp32. */
-template <int ROWS_>
-static void block_rows_quads(const int32_t *quads, const float *d, const float *xsum, int64_t k, int64_t group,
-                             const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
-    /* lo16 lanes hold channels 0-3, 16-19, 8-11, 24-27 and hi16 lanes 4-7, 20-23, 12-15, 28-31: natural order */
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    const __m512i second = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const int64_t groups = k / group, nquads = k / 4, qblocks = k / QBLOCK;
-    __m512 facc[ROWS_][4];
-    for (int r = 0; r < ROWS_; r++)
-        for (int i = 0; i < 4; i++) facc[r][i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < qblocks; b++) {
-        __m512i acc[ROWS_][4];
-        for (int r = 0; r < ROWS_; r++)
-            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
-        for (int64_t j = b * (QBLOCK / 4); j < (b + 1) * (QBLOCK / 4); j++) {
-            const __m512i a = _mm512_loadu_si512(wb + j * 128), c = _mm512_loadu_si512(wb + j * 128 + 64);
-            const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
-            /* steps (k, k+2) of channels 0-7, 16-23, 8-15, 24-31, and (k+1, k+3) of the same channels */
-            const __m512i even = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512i odd = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(3, 2, 3, 2));
-            const __m512i lo16 = _mm512_unpacklo_epi16(even, odd), hi16 = _mm512_unpackhi_epi16(even, odd);
-            const __m512i w[4] = {_mm512_and_si512(lo16, low4), _mm512_and_si512(hi16, low4),
-                                  _mm512_and_si512(_mm512_srli_epi16(lo16, 4), low4),
-                                  _mm512_and_si512(_mm512_srli_epi16(hi16, 4), low4)};
-            for (int r = 0; r < ROWS_; r++) {
-                const __m512i xv = _mm512_set1_epi32(quads[r * nquads + j]);
-                for (int i = 0; i < 4; i++) acc[r][i] = dot_quads(acc[r][i], w[i], xv);
-            }
-        }
-        for (int r = 0; r < ROWS_; r++) {
-            const __m512 db = _mm512_set1_ps(d[r * qblocks + b]);
-            for (int h = 0; h < 2; h++) { /* w[0], w[1]: low nibbles, channels 0-31; w[2], w[3]: 32-63 */
-                const __m512i lo = acc[r][2 * h], hi = acc[r][2 * h + 1];
-                facc[r][2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi)), db,
-                                                 facc[r][2 * h]);
-                facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi)),
-                                                     db, facc[r][2 * h + 1]);
-            }
-        }
-        if ((b + 1) * QBLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * QBLOCK / group - 1, groups, sz32,
-                                                          n, ch0, tot, eight, high16);
-    }
-}
-
 /* int16 sums of the two row halves of an accumulator, widened and added: 16 int32, channel order of the
  * accumulator's lanes 0-1. */
 static inline __m512i widen_pairs(__m512i acc) {
@@ -171,9 +115,61 @@ static inline __m512i widen_pairs(__m512i acc) {
                             _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc, 1)));
 }
 
-/* One 64-channel block, ROWS_ rows, over all K: into tot [ROWS_][64] fp32, channels in natural order. */
-template <int ROWS_>
-static void block_rows(const __m512i *pairs, const float *d, const float *xsum, int64_t k, int64_t group,
+/* The pairs form: each channel's codes of steps (k, k+2) or (k+1, k+3) in adjacent bytes, against 64-byte
+ * activation pairs; vpmaddubsw sums into int16, widened once per 32-K block. */
+struct PairsForm {
+    using Act = __m512i;
+    static inline void weights(__m512i a, __m512i c, __m512i low4, __m512i w[4]) {
+        const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
+        /* w[0]: channels 0-7 and 16-23, w[1]: 8-15 and 24-31, w[2], w[3]: the same + 32 (high nibbles) */
+        w[0] = _mm512_and_si512(plo, low4), w[1] = _mm512_and_si512(phi, low4);
+        w[2] = _mm512_and_si512(_mm512_srli_epi16(plo, 4), low4), w[3] = _mm512_and_si512(_mm512_srli_epi16(phi, 4), low4);
+    }
+    static inline __m512i activation(const Act *act) { return _mm512_load_si512(act); }
+    static inline __m512i dot(__m512i acc, __m512i w, __m512i x) {
+        return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x));
+    }
+    /* int32 sums of channels 0-15 and 16-31 (of a nibble half) from its two accumulators */
+    static inline void natural(__m512i lo, __m512i hi, __m512i *first, __m512i *second) {
+        const __m512i even = widen_pairs(lo), odd = widen_pairs(hi);
+        *first = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(1, 0, 1, 0));
+        *second = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+};
+
+/* The quads form: a second unpack level gives each channel its four codes of a K quad in one 32-bit lane, against
+ * one broadcast int32 of activations; four-byte dot products sum into int32 with no widening. */
+struct QuadsForm {
+    using Act = int32_t;
+    static inline void weights(__m512i a, __m512i c, __m512i low4, __m512i w[4]) {
+        const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
+        /* steps (k, k+2) of channels 0-7, 16-23, 8-15, 24-31, and (k+1, k+3) of the same channels */
+        const __m512i even = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i odd = _mm512_shuffle_i64x2(plo, phi, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i lo16 = _mm512_unpacklo_epi16(even, odd), hi16 = _mm512_unpackhi_epi16(even, odd);
+        w[0] = _mm512_and_si512(lo16, low4), w[1] = _mm512_and_si512(hi16, low4);
+        w[2] = _mm512_and_si512(_mm512_srli_epi16(lo16, 4), low4), w[3] = _mm512_and_si512(_mm512_srli_epi16(hi16, 4), low4);
+    }
+    static inline __m512i activation(const Act *act) { return _mm512_set1_epi32(*act); }
+    /* acc + the four-byte dot products of unsigned w and signed x per 32-bit lane */
+    static inline __m512i dot(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+        return _mm512_dpbusd_epi32(acc, w, x);
+#else  /* exact here: a pair sums to at most 2 x 15 x 127, far from int16 saturation */
+        return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+    }
+    /* lo lanes hold channels 0-3, 16-19, 8-11, 24-27 and hi lanes 4-7, 20-23, 12-15, 28-31: natural order */
+    static inline void natural(__m512i lo, __m512i hi, __m512i *first, __m512i *second) {
+        *first = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27), hi);
+        *second = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+    }
+};
+
+/* One 64-channel block, ROWS_ rows, over all K, in Form: into tot [ROWS_][64] fp32, channels in natural order.
+ * act: the rows' activations in the form's layout, k / 4 per row. */
+template <class Form, int ROWS_>
+static void block_rows(const typename Form::Act *act, const float *d, const float *xsum, int64_t k, int64_t group,
                        const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 eight = _mm512_set1_ps(8.0f);
@@ -186,23 +182,18 @@ static void block_rows(const __m512i *pairs, const float *d, const float *xsum, 
         for (int r = 0; r < ROWS_; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
         for (int64_t j = b * (QBLOCK / 4); j < (b + 1) * (QBLOCK / 4); j++) {
-            const __m512i a = _mm512_loadu_si512(wb + j * 128), c = _mm512_loadu_si512(wb + j * 128 + 64);
-            const __m512i plo = _mm512_unpacklo_epi8(a, c), phi = _mm512_unpackhi_epi8(a, c);
-            const __m512i w[4] = {_mm512_and_si512(plo, low4), _mm512_and_si512(phi, low4),
-                                  _mm512_and_si512(_mm512_srli_epi16(plo, 4), low4),
-                                  _mm512_and_si512(_mm512_srli_epi16(phi, 4), low4)};
+            __m512i w[4];
+            Form::weights(_mm512_loadu_si512(wb + j * 128), _mm512_loadu_si512(wb + j * 128 + 64), low4, w);
             for (int r = 0; r < ROWS_; r++) {
-                const __m512i xv = _mm512_load_si512(pairs + r * quads + j);
-                for (int i = 0; i < 4; i++) acc[r][i] = _mm512_add_epi16(acc[r][i], _mm512_maddubs_epi16(w[i], xv));
+                const __m512i xv = Form::activation(act + r * quads + j);
+                for (int i = 0; i < 4; i++) acc[r][i] = Form::dot(acc[r][i], w[i], xv);
             }
         }
-        /* w[0]: channels 0-7 and 16-23, w[1]: 8-15 and 24-31, w[2], w[3]: the same + 32 (high nibbles) */
         for (int r = 0; r < ROWS_; r++) {
             const __m512 db = _mm512_set1_ps(d[r * qblocks + b]);
-            for (int h = 0; h < 2; h++) {
-                const __m512i even = widen_pairs(acc[r][2 * h]), odd = widen_pairs(acc[r][2 * h + 1]);
-                const __m512i first = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(1, 0, 1, 0));
-                const __m512i second = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(3, 2, 3, 2));
+            for (int h = 0; h < 2; h++) { /* w[0], w[1]: low nibbles, channels 0-31; w[2], w[3]: 32-63 */
+                __m512i first, second;
+                Form::natural(acc[r][2 * h], acc[r][2 * h + 1], &first, &second);
                 facc[r][2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), db, facc[r][2 * h]);
                 facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), db, facc[r][2 * h + 1]);
             }
@@ -223,9 +214,9 @@ template <int ROWS_>
 static void block_rows_form(const Activations &act, int64_t r0, const float *d, const float *xsum, int64_t k,
                             int64_t group, const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
     if (act.form == Q8_QUADS)
-        block_rows_quads<ROWS_>(act.quads + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
+        block_rows<QuadsForm, ROWS_>(act.quads + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
     else
-        block_rows<ROWS_>(act.pairs + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
+        block_rows<PairsForm, ROWS_>(act.pairs + r0 * (k / 4), d, xsum, k, group, wb, sz32, n, ch0, tot);
 }
 
 static void block_all_rows(const Activations &act, const float *d, const float *xsum, int64_t m, int64_t k,
