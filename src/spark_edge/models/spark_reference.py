@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -94,11 +95,12 @@ class _Weights:
             return _gptq_weight(self.t, prefix, self.group)
         raise KeyError(f"reference: no tensor for {name}")
 
-    def offset(self, name: str) -> torch.Tensor | None:
-        """The offset part of a cpu_int4 weight (see the module docstring); None for any other tensor."""
+    def parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The code part and the offset part of a cpu_int4 weight (see the module docstring); None for any
+        other tensor."""
         prefix = name.removesuffix(".weight")
         if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
-            return _cpu_int4_parts(self.t, prefix, self.group)[1]
+            return _cpu_int4_parts(self.t, prefix, self.group)
         return None
 
     def qkv(self, i: int) -> torch.Tensor:
@@ -158,40 +160,43 @@ class SparkReference:
         cast = lambda x: x.to(dtype)  # noqa: E731
         self.embedding = cast(w.get("model.embedding.weight"))
         tied = c.get("tie_word_embeddings", False)
-        head_name = "model.embedding.weight" if tied else "lm_head.weight"
-        self.head = self.embedding if tied else cast(w.get(head_name))
         self.final_norm = cast(w.get("model.norm.weight"))
         self.int8_rows_from = int8_rows_from
-        # offset parts of the 4-bit linears, by weight identity; kept only when int8 rows are modelled
-        self.offsets: dict[int, torch.Tensor] = {}
-        offset = (lambda name: w.offset(name)) if int8_rows_from is not None else (lambda name: None)  # noqa: E731
+        # (code part, offset part) of the 4-bit linears by weight identity, when int8 rows are modelled
+        self.int8_parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def linear(name: str, weight: torch.Tensor) -> torch.Tensor:
-            if (part := offset(name)) is not None:
-                self.offsets[id(weight)] = cast(part)
+        def linear(name: str, load: Callable[[], torch.Tensor]) -> torch.Tensor:
+            parts = w.parts(name) if int8_rows_from is not None else None
+            if parts is None:
+                return cast(load())
+            code, offset = cast(parts[0]), cast(parts[1])
+            weight = code + offset  # what load() decodes, from the parts already read
+            self.int8_parts[id(weight)] = (code, offset)
             return weight
 
-        self.head = linear(head_name, self.head)
+        self.head = (linear("model.embedding.weight", lambda: self.embedding) if tied
+                     else linear("lm_head.weight", lambda: w.get("lm_head.weight")))
         self.layers = []
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}"
             self.layers.append({
                 "in_norm": cast(w.get(f"{p}.input_layernorm.weight")),
-                "qkv": linear(qkv_name(i), cast(w.qkv(i))),
+                "qkv": linear(qkv_name(i), lambda: w.qkv(i)),  # noqa: B023 (called at once)
                 "gate": cast(w.get(f"{p}.self_attn.g_proj.weight")),
-                "out": linear(f"{p}.self_attn.out_proj.weight", cast(w.get(f"{p}.self_attn.out_proj.weight"))),
+                "out": linear(f"{p}.self_attn.out_proj.weight", lambda: w.get(f"{p}.self_attn.out_proj.weight")),  # noqa: B023
                 "post_norm": cast(w.get(f"{p}.post_attention_layernorm.weight")),
-                **{key: linear(f"{p}.mlp.{name}.weight", cast(w.get(f"{p}.mlp.{name}.weight")))
+                **{key: linear(f"{p}.mlp.{name}.weight", lambda: w.get(f"{p}.mlp.{name}.weight"))  # noqa: B023
                    for key, name in (("mlp_gate", "gate_proj"), ("mlp_up", "up_proj"), ("mlp_down", "down_proj"))},
             })
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T, with the rows from int8_rows_from on as an int8-activation kernel computes them."""
         y = x @ weight.t()
-        offset = self.offsets.get(id(weight))
-        if offset is not None and self.int8_rows_from is not None:
+        parts = self.int8_parts.get(id(weight))
+        if parts is not None and self.int8_rows_from is not None:
+            code, offset = parts
             tail = x[self.int8_rows_from:]
-            y[self.int8_rows_from:] = _int8_rounded(tail) @ (weight - offset).t() + tail @ offset.t()
+            y[self.int8_rows_from:] = _int8_rounded(tail) @ code.t() + tail @ offset.t()
         return y
 
     def _rope(self, layer_type: str) -> tuple[float, int]:
