@@ -3,8 +3,9 @@
 For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
 time of one call of: spark-edge's native GEMM (fp32 activations), its int8-activation GEMM (decode row
 counts, where the build and shape have it) in both forms of its inner product (vpmaddubsw pairs;
-four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), PyTorch's tinygemm one row at a time (the previous
-decode path), the weight dequantized to bf16 + oneDNN (the previous prefill path), vLLM's own 4-bit CPU
+four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), PyTorch's
+tinygemm one row at a time (the previous decode path), the weight dequantized to bf16 + oneDNN (the
+previous prefill path), vLLM's own 4-bit CPU
 GEMM `cpu_gemm_wna16` (its GPTQ/AWQ W4A16 kernel, weights repacked as vLLM's CPUWNA16LinearKernel does;
 integer zero points where ours are bf16, the same bytes per weight), and bf16's own GEMM on the same
 weight (what the bf16 weight path runs). Kernels are interleaved round by round and the

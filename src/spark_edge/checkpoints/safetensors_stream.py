@@ -14,7 +14,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 import torch
 
@@ -91,7 +91,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def _write_chunks(f: object, spec: TensorSpec, tensor: RowChunks) -> None:
+def _write_chunks(f: BinaryIO, spec: TensorSpec, tensor: RowChunks) -> None:
     rows = 0
     for chunk in tensor.chunks:
         if chunk.dtype != spec.dtype or tuple(chunk.shape[1:]) != spec.shape[1:]:
@@ -100,7 +100,7 @@ def _write_chunks(f: object, spec: TensorSpec, tensor: RowChunks) -> None:
         rows += chunk.shape[0]
         if rows > spec.shape[0]:
             break
-        f.write(_bytes(chunk))  # type: ignore[attr-defined]
+        f.write(_bytes(chunk))
     if rows != spec.shape[0]:
         raise ValueError(f"tensor {spec.name}: its blocks hold {rows} rows, {spec.shape[0]} planned")
 
