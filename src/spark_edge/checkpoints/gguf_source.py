@@ -7,6 +7,7 @@ anything else is refused by name before a byte is written.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -201,39 +202,14 @@ class GGUFSource:
     # -- tokenizer and identity ---------------------------------------------------------
     def save_tokenizer(self, out: Path) -> None:
         """Convert the GGUF vocabulary into Hugging Face tokenizer files in `out`."""
-        from transformers import AutoTokenizer
+        self.tokenizer_saver()(out)
 
-        try:
-            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except Exception as exc:
-            raise CheckpointError(f"{self.path}: cannot convert its tokenizer ({exc})") from exc
-        with tempfile.TemporaryDirectory() as tmp:
-            tok.save_pretrained(tmp)
-            for f in Path(tmp).iterdir():
-                shutil.copy2(f, out / f.name)
-        self._fix_pre_tokenizer(out / "tokenizer.json")
-        self._fix_tokenizer_class(out / "tokenizer_config.json")
+    def tokenizer_saver(self) -> Callable[[Path], None]:
+        """save_tokenizer without this source: transformers reads the GGUF vocabulary again to convert it, so a
+        caller that drops the source first does not hold two readers (~0.2 GiB of Python objects each)."""
         gen = {k: self._config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self._config}
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-    def _fix_pre_tokenizer(self, path: Path) -> None:
-        if self._field("tokenizer.ggml.pre") not in _DIGIT_SPLIT_PRE:
-            return
-        data = json.loads(path.read_text())
-        digits = {"type": "Digits", "individual_digits": True}
-        pre = data.get("pre_tokenizer")
-        if pre and pre.get("type") != "Sequence":
-            data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits, pre]}
-            path.write_text(json.dumps(data, ensure_ascii=False))
-
-    @staticmethod
-    def _fix_tokenizer_class(path: Path) -> None:
-        # transformers 5 writes its internal backend name; older readers know only this one
-        data = json.loads(path.read_text())
-        data["tokenizer_class"] = "PreTrainedTokenizerFast"
-        data.pop("is_local", None)
-        data.pop("local_files_only", None)
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        return functools.partial(save_gguf_tokenizer, self.path, digit_split=self._field("tokenizer.ggml.pre")
+                                 in _DIGIT_SPLIT_PRE, generation=gen)
 
     def fingerprint(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.path.resolve()), "sha256": file_sha256(self.path)}
@@ -243,3 +219,39 @@ class GGUFSource:
         return {
             name: (t.name, tuple(int(d) for d in reversed(t.shape.tolist()))) for name, t in self._tensors.items()
         }
+
+
+def save_gguf_tokenizer(path: Path, out: Path, digit_split: bool, generation: dict[str, int]) -> None:
+    """Hugging Face tokenizer files in `out` from the GGUF at `path`, through transformers' converter."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot convert its tokenizer ({exc})") from exc
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        for f in Path(tmp).iterdir():
+            shutil.copy2(f, out / f.name)
+    if digit_split:
+        _split_digits(out / "tokenizer.json")
+    _fix_tokenizer_class(out / "tokenizer_config.json")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _split_digits(path: Path) -> None:
+    data = json.loads(path.read_text())
+    digits = {"type": "Digits", "individual_digits": True}
+    pre = data.get("pre_tokenizer")
+    if pre and pre.get("type") != "Sequence":
+        data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits, pre]}
+        path.write_text(json.dumps(data, ensure_ascii=False))
+
+
+def _fix_tokenizer_class(path: Path) -> None:
+    # transformers 5 writes its internal backend name; older readers know only this one
+    data = json.loads(path.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    data.pop("is_local", None)
+    data.pop("local_files_only", None)
+    path.write_text(json.dumps(data, indent=2) + "\n")
