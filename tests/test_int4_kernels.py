@@ -89,7 +89,8 @@ def test_gemm_matches_float64_on_this_hosts_layout(ops: object, n: int, k: int, 
 
 @pytest.mark.parametrize("layout", tl.CANDIDATES[:3], ids=lambda c: c.name)
 def test_gemm_every_layout_and_path(ops: object, layout: tl.KernelLayout) -> None:
-    """AVX-512's (vector path where built), AVX2's and the portable kernel's layouts (portable loop)."""
+    """AVX-512's and AVX2's layouts (their vector paths where the build has them) and the portable kernel's
+    (portable loop)."""
     n, k, g = 208, 192, 32
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
@@ -159,60 +160,79 @@ def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[i
 Q8_SHAPES = ((64, 64), (128, 256), (192, 384), (576, 576))
 
 
-def _q8_or_skip(ops: object, n: int, k: int, g: int) -> None:
-    layout = tl.detect_layout()
+def _q8_or_skip(ops: object, n: int, k: int, g: int, layout: tl.KernelLayout, form: str = "pairs") -> None:
+    """Skip unless the build has the int8-activation kernel for this shape and layout (AVX512BW: ATen's 64-channel
+    AVX-512 layout, pairs and quads; AVX2: its 32-channel layout, pairs), with `layout` configured."""
     if not ops.int4_q8_supported(n, k, g, layout.block, layout.halves):
-        pytest.skip("no int8-activation kernel in this build or layout (AVX512BW, 64-channel blocks)")
+        pytest.skip(f"no int8-activation kernel in this build for {layout.name}")
+    ops.int4_configure(layout.block, layout.halves, 0, -1, 0)
+    if not ops.int4_q8_form_supported(ni.Q8_FORMS[form]):
+        pytest.skip(f"no {form} form for {layout.name}")
 
 
+# ATen's AVX-512 and AVX2 layouts: each kernel runs wherever the build has it, on buffers packed by the test
+Q8_LAYOUTS = tl.CANDIDATES[:2]
+
+
+@pytest.mark.parametrize("layout", Q8_LAYOUTS, ids=lambda c: f"{c.block}ch")
 @pytest.mark.parametrize("form", sorted(ni.Q8_FORMS))
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n,k", Q8_SHAPES)
-def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int, form: str) -> None:
+def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int, form: str,
+                                               layout: tl.KernelLayout) -> None:
     """Integer dots of the int8 activations and 4-bit codes are exact; what is left is fp32 scaling (2^-12 of
     sum |x w|) and the bf16 result (2^-8 relative). Against the exact product, the int8 activations cost
-    about 1% of the result's norm. Each form of the inner product in turn (quads: vpdpbusd with VNNI, its
-    stand-in without)."""
+    about 1% of the result's norm. Each layout's kernel and each form of the inner product in turn (quads:
+    vpdpbusd with VNNI, its stand-in without)."""
     if k % g:
         pytest.skip("K is not a multiple of this group size")
-    _q8_or_skip(ops, n, k, g)
-    codes, scale, zero, exact = _case(n, k, g)
-    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
-    for m in ROWS:
-        x = torch.randn(m, k).to(BF16)
-        got = ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form])
-        magnitude = x.double().abs() @ exact.double().abs().t()
-        assert ni.gemm_q8_within_tolerance(got, ni.gemm_q8_reference(x, codes, scale, zero, g), magnitude), (m, n, k)
-        full = x.double() @ exact.double().t()
-        assert (got.double() - full).norm() <= 0.03 * full.norm(), (m, n, k, g)
+    _q8_or_skip(ops, n, k, g, layout, form)
+    try:
+        codes, scale, zero, exact = _case(n, k, g)
+        buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
+        for m in ROWS:
+            x = torch.randn(m, k).to(BF16)
+            got = ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form])
+            magnitude = x.double().abs() @ exact.double().abs().t()
+            reference = ni.gemm_q8_reference(x, codes, scale, zero, g)
+            assert ni.gemm_q8_within_tolerance(got, reference, magnitude), (m, n, k)
+            full = x.double() @ exact.double().t()
+            assert (got.double() - full).norm() <= 0.03 * full.norm(), (m, n, k, g)
+    finally:
+        _configure_host()
 
 
+@pytest.mark.parametrize("layout", Q8_LAYOUTS, ids=lambda c: f"{c.block}ch")
 @pytest.mark.parametrize("form", sorted(ni.Q8_FORMS))
-def test_gemm_q8_integer_accumulation_is_exact(ops: object, form: str) -> None:
+def test_gemm_q8_integer_accumulation_is_exact(ops: object, form: str, layout: tl.KernelLayout) -> None:
     """Activations whose int8 quantization is exact (integers, 127 in every 32-block), scale 1, zero 8: the
     result is the exact integer dot product, up to its rounding to bf16."""
     n, k, g = 128, 256, 64
-    _q8_or_skip(ops, n, k, g)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
-    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
-    for m in (1, 3, 5, 16):
-        x = torch.randint(-127, 128, (m, k))
-        x[:, ::32] = 127  # d = 1 in every block
-        x = x.to(BF16)
-        exact = (x.double() @ codes.double().t()).to(BF16)
-        assert torch.equal(ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form]), exact)
+    _q8_or_skip(ops, n, k, g, layout, form)
+    try:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
+        buf, sz = _pack(codes, layout), tl.scales_and_zeros(scale, zero)
+        for m in (1, 3, 5, 16):
+            x = torch.randint(-127, 128, (m, k))
+            x[:, ::32] = 127  # d = 1 in every block
+            x = x.to(BF16)
+            exact = (x.double() @ codes.double().t()).to(BF16)
+            assert torch.equal(ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS[form]), exact)
+    finally:
+        _configure_host()
 
 
 def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
     layout = tl.detect_layout()
     n, k, g = 576, 256, 32
-    _q8_or_skip(ops, n, k, g)
+    _q8_or_skip(ops, n, k, g, layout)
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
-    # the build's form: vpdpbusd quads where the compiler targets AVX512-VNNI (-march=native), pairs elsewhere
-    vnni = "avx512_vnni" in ni._cpu_flags().split()
-    assert ops.int4_q8_default_form() == ni.Q8_FORMS["quads" if vnni else "pairs"]
+    # the layout's form: vpdpbusd quads on the 64-channel layout where the compiler targets AVX512-VNNI
+    # (-march=native), pairs elsewhere
+    quads = "avx512_vnni" in ni._cpu_flags().split() and layout.block == 64
+    assert ops.int4_q8_default_form() == ni.Q8_FORMS["quads" if quads else "pairs"]
     ops.int4_configure(layout.block, layout.halves, 16, -1, 0)
     try:
         for m in (1, 7, 16, 17):
@@ -257,6 +277,9 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
     if ops.int4_q8_supported(n, k, g, tl.detect_layout().block, tl.detect_layout().halves):
         with pytest.raises(RuntimeError, match="form must be"):
             ops.int4_gemm_q8(x, buf, sz, g, 3)
+    if not ops.int4_q8_form_supported(ni.Q8_FORMS["quads"]):  # AVX2's layout has the pairs form only
+        with pytest.raises(RuntimeError, match="no form 2 for 32-channel blocks"):
+            ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS["quads"])
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):  # a 16-channel tail
         ops.int4_gemm_q8(x, torch.zeros(80, k // 2, dtype=torch.uint8), torch.zeros(k // g, 80, 2, dtype=BF16), g)
 
@@ -272,16 +295,20 @@ def test_kernel_bench_times_every_kernel_on_a_correct_product(ops: object) -> No
     zero_points = torch.randint(0, 16, (n, k // g), dtype=torch.uint8)
     weight = (codes.double() - zero_points.double().repeat_interleave(g, 1)) * scale.double().repeat_interleave(g, 1)
     wna16 = kernels.vllm_wna16(codes, scale, zero_points, g)
-    assert wna16 is not None and kernels.vllm_wna16(codes[:80], scale[:80], zero_points[:80], g) is None  # N % 32
-    for m in (1, 3, 17):
+    has_wna16 = kernels.vllm_wna16_available()  # not in vLLM's AVX2 build of its CPU ops
+    assert (wna16 is not None) == has_wna16
+    assert kernels.vllm_wna16(codes[:80], scale[:80], zero_points[:80], g) is None  # N % 32
+    for m in (1, 3, 17) if wna16 is not None else ():
         x = torch.randn(m, k).to(BF16)
         reference = x.double() @ weight.t()
         assert (wna16(x).double() - reference).norm() <= 0.01 * reference.norm(), m
     results = kernels.measure([("o_proj", 64, 64)], 32, rows=(1, 64))
     assert [r["rows"] for r in results] == [1, 64]
-    assert {"native_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms"} <= set(results[1])
+    assert {"native_ms", "dequant_mm_ms", "bf16_mm_ms"} <= set(results[1])
+    assert ("vllm_wna16_ms" in results[1]) == has_wna16
     assert "tinygemm_rows_ms" in results[0] and "tinygemm_rows_ms" not in results[1]
     table = kernels.format_markdown(results, "tiny", 32)
     if ops.int4_q8_supported(64, 64, 32, tl.detect_layout().block, tl.detect_layout().halves):
-        assert {"q8_pairs_ms", "q8_quads_ms"} <= set(results[0]) and "q8_pairs_ms" not in results[1]
+        forms = {f"q8_{form}_ms" for form, code in ni.Q8_FORMS.items() if ops.int4_q8_form_supported(code)}
+        assert "q8_pairs_ms" in forms and forms <= set(results[0]) and "q8_pairs_ms" not in results[1]
     assert table.count("| o_proj | 64 x 64 |") == 2 and "vLLM wna16 ms" in table

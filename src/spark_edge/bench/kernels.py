@@ -36,14 +36,25 @@ def model_shapes(config: dict) -> list[tuple[str, int, int]]:
             ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter), ("lm_head", config["vocab_size"], hidden)]
 
 
+def vllm_wna16_available() -> bool:
+    """Whether vLLM's CPU ops, as vLLM loads them on this host, have `cpu_gemm_wna16` (its AVX2 build has not)."""
+    try:
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()  # the build for this ISA: _C, _C_AVX512 or _C_AVX2
+    except ImportError:
+        return False
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
 def vllm_wna16(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
                group: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x -> x @ ((codes - zero_points) * scale)^T through vLLM's `cpu_gemm_wna16`, with the weights laid out as
     vLLM's CPUWNA16LinearKernel lays them out (16-channel blocks, 8 codes per int32 along N). codes and
     zero_points uint8 [N, K] / [N, K / group], scale bf16 [N, K / group]. None where vLLM cannot take the
-    shape (N or K not a multiple of 32) or its CPU ops are not importable."""
+    shape (N or K not a multiple of 32) or this host's build of its CPU ops has no such kernel."""
     n, k = codes.shape
-    if n % 32 or k % 32:
+    if n % 32 or k % 32 or not vllm_wna16_available():
         return None
     try:
         from vllm import _custom_ops as vllm_ops
@@ -105,7 +116,7 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
                 del kernels["tinygemm_rows"]
             layout = tl.detect_layout()
             if m <= cpu_int4_op.Q8_MAX_ROWS and ops.int4_q8_supported(n, k, group, layout.block, layout.halves):
-                for form, code in ni.Q8_FORMS.items():
+                for form, code in filter(lambda item: ops.int4_q8_form_supported(item[1]), ni.Q8_FORMS.items()):
                     kernels[f"q8_{form}"] = lambda code=code: ops.int4_gemm_q8(x, buf, sz, group, code)
             budget = 0.02 if m * n * k < 2**28 else 0.1
             best = dict.fromkeys(kernels, float("inf"))

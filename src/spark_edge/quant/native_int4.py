@@ -6,8 +6,9 @@
   whatever M), ATen's tinygemm one row at a time, or the whole weight dequantized and ATen's mm.
 - `int4_gemm`, `int4_gemm_q8` (native/int4_gemm_q8.cpp: int8 activations per 32-K block against the 4-bit
   codes, integer dot products, for decode; `form` picks vpmaddubsw pairs or 4-byte quads, vpdpbusd with
-  AVX512-VNNI and an exact stand-in without, so both forms are checked on every AVX512BW host), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T [K, N] in one
-  pass): the kernels alone.
+  AVX512-VNNI and an exact stand-in without, so both forms are checked on every AVX512BW host; AVX2's layout
+  has the pairs form, native/int4_gemm_q8_avx2.cpp), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T
+  [K, N] in one pass): the kernels alone.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
@@ -40,8 +41,9 @@ from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
-SOURCES = tuple(NATIVE_DIR / name for name in ("int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_dequant.cpp"))
-HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h"))
+SOURCES = tuple(NATIVE_DIR / name for name in (
+    "int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_gemm_q8_avx2.cpp", "int4_dequant.cpp"))
+HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h", "int4_q8_common.h"))
 LIBRARY_NAME = "spark_edge_int4.so"
 # int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
 Q8_FORMS = {"pairs": 1, "quads": 2}
@@ -218,7 +220,7 @@ def _self_check() -> None:
         x5, codes = x[:5], kernel_codes(buf)[:64]
         reference = gemm_q8_reference(x5, codes, scale[:64], zero[:64], group)
         magnitude = x5.double().abs() @ weight[:64].double().abs().t()
-        for form in Q8_FORMS.values():
+        for form in filter(ops.int4_q8_form_supported, Q8_FORMS.values()):
             got = ops.int4_gemm_q8(x5, buf[:64], sz[:, :64].contiguous(), group, form)
             if not gemm_q8_within_tolerance(got, reference, magnitude):
                 raise _Unavailable(f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the "

@@ -20,11 +20,13 @@
  * and the sums need no widening. Without VNNI the quads form runs on an exact stand-in (vpmaddubsw then
  * vpmaddwd), so every host can check it; the build's default form is the pairs one there.
  *
- * AVX512BW (Skylake-SP and later, Zen 4); elsewhere int4_gemm_q8_supported() is false and the fp32
- * kernel (int4_gemm.cpp) serves.
+ * This file's kernel serves ATen's AVX-512 layout with AVX512BW (Skylake-SP and later, Zen 4); the AVX2 layout
+ * has its own (int4_gemm_q8_avx2.cpp). Elsewhere int4_gemm_q8_supported() is false and the fp32 kernel
+ * (int4_gemm.cpp) serves.
  */
 #include "bf16.h"
 #include "int4_kernels.h"
+#include "int4_q8_common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -35,7 +37,6 @@
 #include <immintrin.h>
 #endif
 
-#define QBLOCK 32 /* activation quantization block along K */
 #if defined(__AVX512VNNI__)
 #define Q8_DEFAULT Q8_QUADS
 #else
@@ -47,17 +48,17 @@ namespace spark_edge {
 
 void quantize_activations(const uint16_t *x, int64_t m, int64_t k, int8_t *xq, float *d) {
     for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < k / QBLOCK; b++) {
-            float xf[QBLOCK], amax = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) {
-                xf[i] = bf16_to_float(x[r * k + b * QBLOCK + i]);
+        for (int64_t b = 0; b < k / Q8_BLOCK; b++) {
+            float xf[Q8_BLOCK], amax = 0.0f;
+            for (int i = 0; i < Q8_BLOCK; i++) {
+                xf[i] = bf16_to_float(x[r * k + b * Q8_BLOCK + i]);
                 amax = std::fmax(amax, std::fabs(xf[i]));
             }
             const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
-            d[r * (k / QBLOCK) + b] = db;
-            for (int i = 0; i < QBLOCK; i++) {
+            d[r * (k / Q8_BLOCK) + b] = db;
+            for (int i = 0; i < Q8_BLOCK; i++) {
                 const float q = std::rint(xf[i] * inv);
-                xq[r * k + b * QBLOCK + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+                xq[r * k + b * Q8_BLOCK + i] = (int8_t)(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
             }
         }
 }
@@ -173,7 +174,7 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
                        const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
     const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 eight = _mm512_set1_ps(8.0f);
-    const int64_t groups = k / group, quads = k / 4, qblocks = k / QBLOCK;
+    const int64_t groups = k / group, quads = k / 4, qblocks = k / Q8_BLOCK;
     __m512 facc[ROWS_][4];
     for (int r = 0; r < ROWS_; r++)
         for (int i = 0; i < 4; i++) facc[r][i] = _mm512_setzero_ps();
@@ -181,7 +182,7 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
         __m512i acc[ROWS_][4];
         for (int r = 0; r < ROWS_; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
-        for (int64_t j = b * (QBLOCK / 4); j < (b + 1) * (QBLOCK / 4); j++) {
+        for (int64_t j = b * (Q8_BLOCK / 4); j < (b + 1) * (Q8_BLOCK / 4); j++) {
             __m512i w[4];
             Form::weights(_mm512_loadu_si512(wb + j * 128), _mm512_loadu_si512(wb + j * 128 + 64), low4, w);
             for (int r = 0; r < ROWS_; r++) {
@@ -198,7 +199,7 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
                 facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), db, facc[r][2 * h + 1]);
             }
         }
-        if ((b + 1) * QBLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * QBLOCK / group - 1, groups, sz32,
+        if ((b + 1) * Q8_BLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * Q8_BLOCK / group - 1, groups, sz32,
                                                           n, ch0, tot, eight, high16);
     }
 }
@@ -222,7 +223,7 @@ static void block_rows_form(const Activations &act, int64_t r0, const float *d, 
 static void block_all_rows(const Activations &act, const float *d, const float *xsum, int64_t m, int64_t k,
                            int64_t group, const uint8_t *buf, const uint32_t *sz32, int64_t n, int64_t blk,
                            uint16_t *out) {
-    const int64_t groups = k / group, qblocks = k / QBLOCK, ch0 = blk * 64;
+    const int64_t groups = k / group, qblocks = k / Q8_BLOCK, ch0 = blk * 64;
     const uint8_t *wb = buf + blk * 64 * (k / 2);
     alignas(64) float tot[QROWS * 64];
     for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
@@ -239,31 +240,50 @@ static void block_all_rows(const Activations &act, const float *d, const float *
             for (int c = 0; c < 64; c++) out[(r0 + r) * n + ch0 + c] = float_to_bf16(tot[r * 64 + c]);
     }
 }
+
+/* out from q on the 64-channel layout, in `form`; false if the activations' scratch could not be allocated. */
+static bool int4_gemm_q8_avx512(const Q8Activations &q, const uint8_t *buf, const uint16_t *sz, uint16_t *out,
+                                int64_t n, int form) {
+    const int64_t m = q.m, k = q.k;
+    const size_t bytes = form == Q8_QUADS ? sizeof(int32_t) * (size_t)(m * (k / 4)) : sizeof(__m512i) * (size_t)(m * (k / 4));
+    void *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!scratch) return false;
+    const Activations act{form, (const __m512i *)scratch, (const int32_t *)scratch};
+    if (form == Q8_QUADS)
+        activation_quads(q.xq, m, k, (int32_t *)scratch);
+    else
+        activation_pairs(q.xq, m, k, (__m512i *)scratch);
+    const uint32_t *sz32 = (const uint32_t *)sz;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < n / 64; blk++) block_all_rows(act, q.d, q.xsum, m, k, q.group, buf, sz32, n, blk, out);
+    free(scratch);
+    return true;
+}
 #endif
 
 bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves) {
+    if (!halves || k % Q8_BLOCK || group % Q8_BLOCK) return false;
 #ifdef __AVX512BW__
-    return block == 64 && halves && n % 64 == 0 && k % QBLOCK == 0 && group % QBLOCK == 0;
-#else
-    (void)n, (void)k, (void)group, (void)block, (void)halves;
-    return false;
+    if (block == 64 && n % 64 == 0) return true;
 #endif
+    return block == 32 && n % 32 == 0 && int4_gemm_q8_avx2_built();
 }
 
-int int4_gemm_q8_default_form() { return Q8_DEFAULT; }
+int int4_gemm_q8_default_form(int64_t block) { return block == 64 ? Q8_DEFAULT : Q8_PAIRS; }
+
+bool int4_gemm_q8_form_supported(int64_t block, int form) {
+    return form == Q8_AUTO || form == Q8_PAIRS || (form == Q8_QUADS && block == 64);
+}
 
 bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
-                  int64_t k, int64_t group, int form) {
-#ifdef __AVX512BW__
-    if (form == Q8_AUTO) form = Q8_DEFAULT;
-    const int64_t groups = k / group, qblocks = k / QBLOCK;
-    /* scratch: activations in the form's layout (64-byte aligned), int8 codes, block scales, group sums */
-    const size_t act_bytes = form == Q8_QUADS ? sizeof(int32_t) * (size_t)(m * (k / 4))
-                                              : sizeof(__m512i) * (size_t)(m * (k / 4));
-    const size_t bytes = act_bytes + (size_t)(m * k) + sizeof(float) * (size_t)(m * qblocks + m * groups) + 64;
-    char *scratch = (char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+                  int64_t k, int64_t group, int64_t block, int form) {
+    if (!int4_gemm_q8_supported(n, k, group, block, 1) || !int4_gemm_q8_form_supported(block, form)) return false;
+    if (form == Q8_AUTO) form = int4_gemm_q8_default_form(block);
+    const int64_t groups = k / group, qblocks = k / Q8_BLOCK;
+    /* scratch: int8 codes, block scales, group sums */
+    char *scratch = (char *)malloc((size_t)(m * k) + sizeof(float) * (size_t)(m * qblocks + m * groups) + 64);
     if (!scratch) return false;
-    int8_t *xq = (int8_t *)(scratch + act_bytes);
+    int8_t *xq = (int8_t *)scratch;
     float *d = (float *)(((uintptr_t)(xq + m * k) + 63) & ~(uintptr_t)63), *xsum = d + m * qblocks;
     quantize_activations(x, m, k, xq, d);
     for (int64_t r = 0; r < m; r++)
@@ -272,20 +292,14 @@ bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16
             for (int64_t kk = g * group; kk < (g + 1) * group; kk++) s += bf16_to_float(x[r * k + kk]);
             xsum[r * groups + g] = s;
         }
-    Activations act{form, (const __m512i *)scratch, (const int32_t *)scratch};
-    if (form == Q8_QUADS)
-        activation_quads(xq, m, k, (int32_t *)scratch);
-    else
-        activation_pairs(xq, m, k, (__m512i *)scratch);
-    const uint32_t *sz32 = (const uint32_t *)sz;
-#pragma omp parallel for schedule(static)
-    for (int64_t blk = 0; blk < n / 64; blk++) block_all_rows(act, d, xsum, m, k, group, buf, sz32, n, blk, out);
-    free(scratch);
-    return true;
-#else
-    (void)x, (void)m, (void)buf, (void)sz, (void)out, (void)n, (void)k, (void)group, (void)form;
-    return false;
+    const Q8Activations q{xq, d, xsum, m, k, group};
+    bool done = false;
+    if (block == 32) done = int4_gemm_q8_avx2(q, buf, sz, out, n);
+#ifdef __AVX512BW__
+    if (block == 64) done = int4_gemm_q8_avx512(q, buf, sz, out, n, form);
 #endif
+    free(scratch);
+    return done;
 }
 
 }  // namespace spark_edge

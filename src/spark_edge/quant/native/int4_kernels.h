@@ -15,20 +15,25 @@ bool int4_gemm_vectorized(int64_t block, int64_t halves);
 bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
                int64_t k, int64_t group, int64_t block, int64_t halves);
 
-/* Whether int4_gemm_q8 serves this shape and layout in this build (AVX512BW, 64-channel halves blocks). */
+/* Whether int4_gemm_q8 serves this shape and layout in this build: ATen's AVX-512 layout (64-channel halves
+ * blocks) with AVX512BW, its AVX2 layout (32-channel halves blocks) with AVX2. */
 bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves);
 
-/* Forms of int4_gemm_q8's inner product: the build's default, 2-byte pairs into int16 (vpmaddubsw), 4-byte
- * quads into int32 (vpdpbusd with AVX512-VNNI, an exact stand-in without). */
+/* Forms of int4_gemm_q8's inner product: the layout's default, 2-byte pairs into int16 (vpmaddubsw), 4-byte
+ * quads into int32 (vpdpbusd with AVX512-VNNI, an exact stand-in without; the 64-channel layout only). */
 enum { Q8_AUTO = 0, Q8_PAIRS = 1, Q8_QUADS = 2 };
 
-/* The form Q8_AUTO runs in this build. */
-int int4_gemm_q8_default_form();
+/* The form Q8_AUTO runs on a layout of `block` channels in this build. */
+int int4_gemm_q8_default_form(int64_t block);
 
-/* The same product with the activations quantized to int8 per row and 32-K block (int4_gemm_q8.cpp);
- * false if the scratch could not be allocated or the build has no such kernel. */
+/* Whether `form` exists for a layout of `block` channels. */
+bool int4_gemm_q8_form_supported(int64_t block, int form);
+
+/* The same product with the activations quantized to int8 per row and 32-K block (int4_gemm_q8.cpp) on a
+ * buffer of `block`-channel halves blocks; false if the scratch could not be allocated or the build has no
+ * such kernel. */
 bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
-                  int64_t k, int64_t group, int form = Q8_AUTO);
+                  int64_t k, int64_t group, int64_t block, int form = Q8_AUTO);
 
 /* int8 codes xq [M][K] and per-32-K-block scales d [M][K/32] of bf16 activations x [M][K]. */
 void quantize_activations(const uint16_t *x, int64_t m, int64_t k, int8_t *xq, float *d);

@@ -3,7 +3,7 @@
  * host policy that Python sets once per process (int4_configure), from the buffer layout it detected and the
  * host's ISA (see cpu_int4_op.py for the reasons):
  *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode,
- *            in the build's form (vpdpbusd quads with AVX512-VNNI, vpmaddubsw pairs without);
+ *            in the layout's form (vpdpbusd quads with AVX512-VNNI, vpmaddubsw pairs without and on AVX2);
  *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
@@ -76,7 +76,9 @@ bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool 
 
 bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
 
-int64_t int4_q8_default_form() { return int4_gemm_q8_default_form(); }
+int64_t int4_q8_default_form() { return int4_gemm_q8_default_form(configured().block); }
+
+bool int4_q8_form_supported(int64_t form) { return int4_gemm_q8_form_supported(configured().block, (int)form); }
 
 at::Tensor int4_gemm_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
@@ -98,11 +100,13 @@ at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, con
     const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
     TORCH_CHECK(int4_gemm_q8_supported(n, k, group, p->block, p->halves), "int4_gemm_q8: no int8-activation kernel "
                 "for N=", n, ", K=", k, ", group ", group, " on this layout and build");
-    TORCH_CHECK(form == Q8_AUTO || form == Q8_PAIRS || form == Q8_QUADS, "int4_gemm_q8: form must be 0 (the build's), "
+    TORCH_CHECK(form == Q8_AUTO || form == Q8_PAIRS || form == Q8_QUADS, "int4_gemm_q8: form must be 0 (the layout's), "
                 "1 (pairs) or 2 (quads), got ", form);
+    TORCH_CHECK(int4_gemm_q8_form_supported(p->block, static_cast<int>(form)), "int4_gemm_q8: no form ", form,
+                " for ", p->block, "-channel blocks");
     at::Tensor out = at::empty({m, n}, x.options());
     TORCH_CHECK(int4_gemm_q8(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
-                             n, k, group, static_cast<int>(form)),
+                             n, k, group, p->block, static_cast<int>(form)),
                 "int4_gemm_q8: no memory for the int8 copy of a ", m, " x ", k, " activation");
     return out;
 }
@@ -140,7 +144,8 @@ TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_native_vectorized(int block, bool halves) -> bool");
     m.def("int4_q8_supported(int n, int k, int group_size, int block, bool halves) -> bool");
     m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
-    m.def("int4_q8_default_form() -> int");
+    m.def("int4_q8_default_form() -> int");  // for the configured layout
+    m.def("int4_q8_form_supported(int form) -> bool");  // on the configured layout
     m.def("int4_gemm_q8(Tensor x, Tensor weight, Tensor scales_zeros, int group_size, int form=0) -> Tensor");
     m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
@@ -158,6 +163,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_native_vectorized", &int4_native_vectorized);
     m.impl("int4_q8_supported", &int4_q8_supported);
     m.impl("int4_q8_default_form", &int4_q8_default_form);
+    m.impl("int4_q8_form_supported", &int4_q8_form_supported);
 }
 
 }  // namespace spark_edge

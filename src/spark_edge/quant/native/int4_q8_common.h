@@ -1,0 +1,25 @@
+/* What the int8-activation kernels (int4_gemm_q8.cpp, int4_gemm_q8_avx2.cpp) share: the activation block and
+ * the quantized activations of one call. */
+#pragma once
+#include <cstdint>
+
+namespace spark_edge {
+
+constexpr int64_t Q8_BLOCK = 32; /* activation quantization block along K */
+
+/* x ~ d * xq per row and 32-K block; xsum: the fp32 activations summed per row and weight group. */
+struct Q8Activations {
+    const int8_t *xq;  /* [M][K] */
+    const float *d;    /* [M][K / Q8_BLOCK] */
+    const float *xsum; /* [M][K / group] */
+    int64_t m, k, group;
+};
+
+/* Whether this build has the AVX2 kernel (the compiler targets AVX2). */
+bool int4_gemm_q8_avx2_built();
+
+/* out bf16 [M][N] from q on a buffer in ATen's AVX2 layout (32-channel halves blocks, N % 32 == 0); false if
+ * the scratch could not be allocated or the build has no AVX2. */
+bool int4_gemm_q8_avx2(const Q8Activations &q, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n);
+
+}  // namespace spark_edge
