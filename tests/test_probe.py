@@ -109,11 +109,11 @@ def test_zen4_avx512_without_amx_gets_w4a16(tmp_path: Path) -> None:
     assert "AVX-512" in choice.reason and "lacks amx_tile, amx_int8" in choice.reason
 
 
-def test_haswell_avx2_only_gets_unverified_w4a16(tmp_path: Path) -> None:
+def test_haswell_avx2_only_gets_w4a16_on_the_avx2_kernels(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "haswell"), machine="x86_64")
     assert profile.features == {"avx2", "fma", "f16c"}
     choice = select_weight_path(profile)
-    assert (choice.name, choice.verified) == ("w4a16", False)
+    assert (choice.name, choice.verified) == ("w4a16", True)
     assert "AVX2" in choice.reason
     assert any("no native bf16" in note for note in choice.notes)
 

@@ -9,11 +9,12 @@ and the branch runs at call time.  The embedding lookup is opaque for the same r
 The GEMM is `torch.ops.spark_edge.int4_linear`, a C++ op (native_int4.py) that chooses per call,
 by activation rows M and this host's policy (`host_policy`, set once per process):
 - "native", spark-edge's own int4 GEMM: every weight read from memory once per call whatever
-  M, so batched decode of several streams costs little more than one (its vector path serves
-  the buffer layout of ATen's AVX-512 kernel).  It serves every M up to
+  M, so batched decode of several streams costs little more than one (its vector paths serve
+  the buffer layouts of ATen's AVX-512 and AVX2 kernels).  It serves every M up to
   NATIVE_MAX_ROWS_BF16_HOST (16) on hosts with bf16 GEMM hardware (AVX512-BF16, AMX, arm64
   BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
-  kernel measured 2-2.5x faster at 512 rows (docs/int4-kernels.md).
+  kernel measured 2-2.5x faster at 512 rows on AVX-512 (docs/int4-kernels.md), and ~40x on AVX2,
+  where torch's bf16 mm has no vectorized path.
 - "tinygemm", PyTorch's `_weight_int4pack_mm_for_cpu`, up to ROW_LOOP_MAX_ROWS (8) rows where the
   native GEMM has no vector path, one row per call and never several: on AMX hosts, tinygemm on
   a multi-row batch followed by vLLM's CPU attention in the same forward has been seen to die
