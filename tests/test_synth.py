@@ -54,11 +54,14 @@ def test_weights_are_deterministic_by_seed_and_name() -> None:
 def test_a_1_7b_checkpoint_is_written_in_under_1_gib(tmp_path: Path) -> None:
     """Streamed: weights a block at a time, the tokenizer converted after them with no second GGUF reader held.
     Peak RSS of the writing process, torch included, in an environment of its own (the suite's processes leave
-    variables behind): 673 MiB on the AMD EPYC Zen 3 host, most of it the GGUF vocabulary's conversion."""
+    variables behind): 673 MiB on the AMD EPYC Zen 3 host, 684 MiB on an AMD EPYC Zen 4, most of it the GGUF
+    vocabulary's conversion. The peak is VmHWM, the high-water mark of the process's own memory: ru_maxrss
+    is not, since Linux carries the parent's high-water mark into it across vfork + exec (1545 MiB here
+    inside the full run, where pytest itself had grown that large)."""
     out = tmp_path / "smollm2-1.7b"
-    code = ("import resource, sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
+    code = ("import sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
             "write_synthetic('smollm2-1.7b', Path(sys.argv[1]), 0); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
     env = {key: os.environ[key] for key in ("PATH", "HOME", "PYTHONPATH", "SPARK_EDGE_HOME", "TMPDIR") if key in os.environ}
     done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=1200,
                           env={**env, "HF_HUB_OFFLINE": "1"})
