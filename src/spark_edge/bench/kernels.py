@@ -3,7 +3,8 @@
 For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
 time of one call of: spark-edge's native GEMM (fp32 activations), its int8-activation GEMM (decode row
 counts, where the build and shape have it) in both forms of its inner product (vpmaddubsw pairs;
-four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), PyTorch's
+four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), its bf16-tile
+GEMM (vdpbf16ps on tiles of the weight dequantized into cache, where the build has AVX512-BF16), PyTorch's
 tinygemm one row at a time (the previous decode path), the weight dequantized to bf16 + oneDNN (the
 previous prefill path), vLLM's own 4-bit CPU
 GEMM `cpu_gemm_wna16` (its GPTQ/AWQ W4A16 kernel, weights repacked as vLLM's CPUWNA16LinearKernel does;
@@ -112,10 +113,12 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
             }
             if wna16 is not None:
                 kernels["vllm_wna16"] = lambda: wna16(x)
+            if cpu_int4_op.bf16_tiles_available() and m >= cpu_int4_op.TILES_MIN_ROWS:
+                kernels["tiles"] = lambda: ops.int4_gemm_bf16(x, buf, sz, group)
             if m > TINYGEMM_MAX_ROWS:  # never run row by row at prefill sizes (seconds per call on the head)
                 del kernels["tinygemm_rows"]
             layout = tl.detect_layout()
-            if m <= cpu_int4_op.Q8_MAX_ROWS and ops.int4_q8_supported(n, k, group, layout.block, layout.halves):
+            if m <= cpu_int4_op.Q8_MAX_ROWS_VNNI and ops.int4_q8_supported(n, k, group, layout.block, layout.halves):
                 for form, code in filter(lambda item: ops.int4_q8_form_supported(item[1]), ni.Q8_FORMS.items()):
                     kernels[f"q8_{form}"] = lambda code=code: ops.int4_gemm_q8(x, buf, sz, group, code)
             budget = 0.02 if m * n * k < 2**28 else 0.1
@@ -138,18 +141,18 @@ def format_markdown(results: list[dict], model: str, group: int) -> str:
 
     default = {code: form for form, code in ni.Q8_FORMS.items()}.get(torch.ops.spark_edge.int4_q8_default_form())
     lines = [f"Model: {model}, group {group}. Host: {host_line()}. int4_linear's q8 form here: {default}.", "",
-             "| layer | N x K | rows | native ms | q8 pairs ms | q8 quads ms | tinygemm rows ms | dequant + mm ms | "
-             "vLLM wna16 ms | bf16 mm ms | spark-edge's best vs best other |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| layer | N x K | rows | native ms | q8 pairs ms | q8 quads ms | bf16 tiles ms | tinygemm rows ms | "
+             "dequant + mm ms | vLLM wna16 ms | bf16 mm ms | spark-edge's best vs best other |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r: dict, key: str) -> str:
         return f"{r[key]:.3f}" if key in r else "-"
 
     for r in results:
         others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms") if key in r]
-        ours = min(r[key] for key in ("native_ms", "q8_pairs_ms", "q8_quads_ms") if key in r)
+        ours = min(r[key] for key in ("native_ms", "q8_pairs_ms", "q8_quads_ms", "tiles_ms") if key in r)
         lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | "
-                     f"{cell(r, 'q8_pairs_ms')} | {cell(r, 'q8_quads_ms')} | "
+                     f"{cell(r, 'q8_pairs_ms')} | {cell(r, 'q8_quads_ms')} | {cell(r, 'tiles_ms')} | "
                      f"{cell(r, 'tinygemm_rows_ms')} | {r['dequant_mm_ms']:.3f} | {cell(r, 'vllm_wna16_ms')} | "
                      f"{r['bf16_mm_ms']:.3f} | "
                      f"{min(others) / ours:.2f}x |")

@@ -139,3 +139,9 @@ def _arm_model(fields: dict[str, str]) -> str | None:
 def host_has_bf16_gemm() -> bool:
     """Whether this host's oneDNN bf16 GEMMs run on bf16 hardware."""
     return bool(probe_cpu_features(Path("/"), platform.machine()).names & BF16_GEMM_FEATURES)
+
+
+@functools.lru_cache(maxsize=None)
+def host_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles (oneDNN's bf16 GEMM runs on them where the process may use them)."""
+    return "amx_bf16" in probe_cpu_features(Path("/"), platform.machine()).names

@@ -15,6 +15,11 @@ by activation rows M and this host's policy (`host_policy`, set once per process
   BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
   kernel measured 2-2.5x faster at 512 rows on AVX-512 (docs/int4-kernels.md), and ~40x on AVX2,
   where torch's bf16 mm has no vectorized path.
+- "tiles", spark-edge's bf16-tile GEMM (AVX512-BF16 builds on ATen's AVX-512 layout), above
+  TILES_MIN_ROWS: one tile of the weight (64 channels x 512 K) dequantized to bf16 into L2 at a time and
+  every row of the call run over it with vdpbf16ps, so prefill never writes a whole bf16 matrix; it
+  replaces "dequant" there and the fp32 native GEMM from 5 rows (docs/int4-kernels.md). AMX hosts keep
+  oneDNN's AMX bf16 GEMM for prefill (tiles there run on AVX512-BF16 and have not been measured against it).
 - "tinygemm", PyTorch's `_weight_int4pack_mm_for_cpu`, up to ROW_LOOP_MAX_ROWS (8) rows where the
   native GEMM has no vector path, one row per call and never several: on AMX hosts, tinygemm on
   a multi-row batch followed by vLLM's CPU attention in the same forward has been seen to die
@@ -34,12 +39,12 @@ is a config field (hashed into vLLM's compile-cache key).
 
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.library import Library
 
-from spark_edge.probe.cpu_features import host_has_bf16_gemm
+from spark_edge.probe.cpu_features import host_has_amx_bf16, host_has_bf16_gemm
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
 from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
 from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, gather_kernel_rows
@@ -52,8 +57,14 @@ NATIVE_MAX_ROWS_BF16_HOST = 16  # with bf16 GEMM hardware, more rows than this g
 NATIVE_GEMM_SWITCH = "SPARK_EDGE_NATIVE_GEMM"
 Q8_MAX_ROWS = 4  # up to this many rows (decode), int8 activations and integer dot products (measured
 # 1.3-2.2x the fp32-activation GEMM at 1 row, 1.1-1.6x at 2-4, even from 8 rows on AVX512BW: docs/int4-kernels.md)
+Q8_MAX_ROWS_VNNI = 16  # with vpdpbusd quads (AVX512-VNNI) the int8 kernel stays ahead of the fp32 and bf16-tile
+# GEMMs through 16 rows (AMD EPYC Zen 4, 1.7B shapes: 1.1-1.6x the tiles at 16 rows, 1.5-2x native at 8)
 # SPARK_EDGE_INT4_Q8=0: decode on the fp32-activation native GEMM instead (`w4a16+fp32act` in the bench)
 Q8_SWITCH = "SPARK_EDGE_INT4_Q8"
+# SPARK_EDGE_INT4_TILES=0: prefill on dequantization + oneDNN instead of the bf16-tile GEMM (`w4a16+dequant`)
+TILES_SWITCH = "SPARK_EDGE_INT4_TILES"
+TILES_MIN_ROWS = 8  # where the bf16-tile GEMM serves, from here on (below, the fp32 native GEMM: ~1.3x faster
+# at 5 rows, even at 8, behind from 16 on the 1.7B shapes of an AMD EPYC Zen 4)
 
 _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
@@ -79,27 +90,54 @@ def _weight_bf16(
     return dequantize(unpack_nibbles(rm_packed), rm_scale, rm_zero, group_size).to(torch.bfloat16)
 
 
-def host_policy() -> tuple[int, int, int]:
-    """(q8_max_rows, native_max_rows, row_loop_max_rows) for this host: the int8-activation GEMM up to the
-    first (where the shape allows), the native GEMM up to the second (-1: every M, 0: never), tinygemm one
-    row at a time up to the third, dequantization + oneDNN above."""
+class KernelPolicy(NamedTuple):
+    """What int4_linear runs for M rows: the int8-activation GEMM up to q8_max_rows (where the shape allows),
+    the native GEMM up to native_max_rows (-1: every M, 0: never), then the bf16-tile GEMM if bf16_tiles,
+    else tinygemm one row at a time up to row_loop_max_rows and dequantization + oneDNN above."""
+
+    q8_max_rows: int
+    native_max_rows: int
+    row_loop_max_rows: int
+    bf16_tiles: bool = False
+
+
+def bf16_tiles_available() -> bool:
+    """Whether this build has the bf16-tile GEMM for this host's buffer layout."""
+    layout = detect_layout()
+    return load_native_ops() and bool(torch.ops.spark_edge.int4_bf16_tiles_supported(layout.block, layout.halves))
+
+
+def q8_max_rows() -> int:
+    """Rows the int8-activation GEMM serves up to on this host: more where its form is vpdpbusd quads."""
+    from spark_edge.quant.native_int4 import Q8_FORMS
+
+    return Q8_MAX_ROWS_VNNI if torch.ops.spark_edge.int4_q8_default_form() == Q8_FORMS["quads"] else Q8_MAX_ROWS
+
+
+def host_policy() -> KernelPolicy:
+    """This host's KernelPolicy (the switches above turn kernels off for side-by-side benchmarks)."""
     if os.environ.get(NATIVE_GEMM_SWITCH, "1") == "0" or not native_gemm_vectorized():
-        return 0, 0, ROW_LOOP_MAX_ROWS
-    q8_max = Q8_MAX_ROWS if os.environ.get(Q8_SWITCH, "1") != "0" else 0
-    # with bf16 hardware oneDNN's bf16 GEMM wins at prefill sizes
-    return q8_max, (NATIVE_MAX_ROWS_BF16_HOST if host_has_bf16_gemm() else -1), ROW_LOOP_MAX_ROWS
+        return KernelPolicy(0, 0, ROW_LOOP_MAX_ROWS)
+    q8_max = q8_max_rows() if os.environ.get(Q8_SWITCH, "1") != "0" else 0
+    if not host_has_bf16_gemm():  # oneDNN's bf16 GEMM converts to fp32 itself: the fp32 native GEMM wins
+        return KernelPolicy(q8_max, -1, ROW_LOOP_MAX_ROWS)
+    if os.environ.get(TILES_SWITCH, "1") != "0" and not host_has_amx_bf16() and bf16_tiles_available():
+        return KernelPolicy(q8_max, TILES_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, True)
+    return KernelPolicy(q8_max, NATIVE_MAX_ROWS_BF16_HOST, ROW_LOOP_MAX_ROWS)
 
 
 def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
-    """"q8", "native", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation rows
-    of an N x K weight."""
-    q8_max, native_max, row_loop_max = host_policy()
+    """"q8", "native", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation
+    rows of an N x K weight."""
+    q8_max, native_max, row_loop_max, tiles = host_policy()
     if m <= q8_max:
         layout = detect_layout()
         if torch.ops.spark_edge.int4_q8_supported(n, k, group, layout.block, layout.halves):
             return "q8"
     if native_max < 0 or m <= native_max:
         return "native"
+    if tiles:
+        return "tiles"
     return "tinygemm" if m <= row_loop_max else "dequant"
 
 

@@ -15,6 +15,15 @@ bool int4_gemm_vectorized(int64_t block, int64_t halves);
 bool int4_gemm(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
                int64_t k, int64_t group, int64_t block, int64_t halves);
 
+/* Whether int4_gemm_bf16 exists for this layout in this build: ATen's AVX-512 layout (64-channel halves blocks)
+ * where the compiler targets AVX512-BF16. */
+bool int4_gemm_bf16_supported(int64_t block, int64_t halves);
+
+/* out bf16 [M][N] = x bf16 [M][K] @ W^T in tiles of dequantized bf16 weights and vdpbf16ps
+ * (int4_gemm_bf16.cpp); false if the build has no such kernel or a tile could not be allocated. */
+bool int4_gemm_bf16(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+                    int64_t k, int64_t group);
+
 /* Whether int4_gemm_q8 serves this shape and layout in this build: ATen's AVX-512 layout (64-channel halves
  * blocks) with AVX512BW, its AVX2 layout (32-channel halves blocks) with AVX2. */
 bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves);
