@@ -298,7 +298,8 @@ def _snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
 def test_full_size_fused_qkv_through_vllm_cpu_int4_loader_and_kernels(vllm_tp1: None) -> None:
     """A 1.7B q_k_v_proj [3072, 2048] quantized as the w4a16 writer does, split on load by the model's
     splitter into vLLM's QKVParallelLinear, repacked for tinygemm: both kernels compute x @ W^T of the
-    checkpoint's weight (decode: one row, tinygemm; prefill: dequantized + oneDNN)."""
+    checkpoint's weight, whichever kernel serves the rows here (int8 activations on the int8-activation
+    kernel: ~1% of the norm, so 30 dB; only bf16 rounding elsewhere, 40 dB)."""
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
     from spark_edge.models.spark import split_fused_qkv
@@ -324,7 +325,8 @@ def test_full_size_fused_qkv_through_vllm_cpu_int4_loader_and_kernels(vllm_tp1: 
         x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         out, _ = layer(x)
         assert out.shape == (rows, 3072)
-        assert _snr_db(x.double() @ exact.t(), out) > 40.0  # only bf16 output rounding is lost
+        bound = 30.0 if kernel_for(rows, 3072, 2048, group=128) == "q8" else 40.0
+        assert _snr_db(x.double() @ exact.t(), out) > bound, (rows, kernel_for(rows, 3072, 2048, group=128))
 
 
 def test_full_size_split_qkv_loads_into_vllm_gptq(vllm_tp1: None, monkeypatch: pytest.MonkeyPatch) -> None:
