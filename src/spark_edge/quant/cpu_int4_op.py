@@ -18,7 +18,7 @@ by activation rows M and this host's policy (`host_policy`, set once per process
 - "tiles", spark-edge's bf16-tile GEMM (AVX512-BF16 builds on ATen's AVX-512 layout), above
   TILES_MIN_ROWS: one tile of the weight (64 channels x 512 K) dequantized to bf16 into L2 at a time and
   every row of the call run over it with vdpbf16ps, so prefill never writes a whole bf16 matrix; it
-  replaces "dequant" there and the fp32 native GEMM from 5 rows (docs/int4-kernels.md). AMX hosts keep
+  replaces "dequant" there and the fp32 native GEMM from 8 rows (docs/int4-kernels.md). AMX hosts keep
   oneDNN's AMX bf16 GEMM for prefill (tiles there run on AVX512-BF16 and have not been measured against it).
 - "tinygemm", PyTorch's `_weight_int4pack_mm_for_cpu`, up to ROW_LOOP_MAX_ROWS (8) rows where the
   native GEMM has no vector path, one row per call and never several: on AMX hosts, tinygemm on
