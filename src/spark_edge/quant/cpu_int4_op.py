@@ -10,9 +10,9 @@ The GEMM is `torch.ops.spark_edge.int4_linear`, a C++ op (native_int4.py) that c
 by activation rows M and this host's policy (`host_policy`, set once per process):
 - "native", spark-edge's own int4 GEMM: every weight read from memory once per call whatever
   M, so batched decode of several streams costs little more than one (its vector paths serve
-  the buffer layouts of ATen's AVX-512 and AVX2 kernels).  It serves every M up to
-  NATIVE_MAX_ROWS_BF16_HOST (16) on hosts with bf16 GEMM hardware (AVX512-BF16, AMX, arm64
-  BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
+  the buffer layouts of ATen's AVX-512 and AVX2 kernels).  It serves up to TILES_MIN_ROWS - 1 rows
+  where the bf16-tile GEMM serves, up to NATIVE_MAX_ROWS_BF16_HOST (16) on other hosts with bf16 GEMM
+  hardware (AMX, arm64 BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
   kernel measured 2-2.5x faster at 512 rows on AVX-512 (docs/int4-kernels.md), and ~40x on AVX2,
   where torch's bf16 mm has no vectorized path.
 - "tiles", spark-edge's bf16-tile GEMM (AVX512-BF16 builds on ATen's AVX-512 layout), above

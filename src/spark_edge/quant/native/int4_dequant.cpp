@@ -23,15 +23,11 @@
 
 namespace spark_edge {
 
-static inline uint16_t dq(uint32_t code, const uint16_t *sz_pair) {
-    return float_to_bf16((float)((int32_t)code - 8) * bf16_to_float(sz_pair[0]) + bf16_to_float(sz_pair[1]));
-}
-
 /* Adjacent pairs: byte j -> channels 2j, 2j+1 (the tail block, the portable kernel's blocks). */
 static inline void dq_adjacent(const uint8_t *src, const uint16_t *s, uint16_t *o, int64_t channels) {
     for (int64_t j = 0; j < channels / 2; j++) {
-        o[2 * j] = dq(src[j] & 0xfu, s + 4 * j);
-        o[2 * j + 1] = dq(src[j] >> 4, s + 4 * j + 2);
+        o[2 * j] = dequantize_code(src[j] & 0xfu, s + 4 * j);
+        o[2 * j + 1] = dequantize_code(src[j] >> 4, s + 4 * j + 2);
     }
 }
 
@@ -39,8 +35,8 @@ static inline void dq_adjacent(const uint8_t *src, const uint16_t *s, uint16_t *
 static inline void dq_halves(const uint8_t *src, const uint16_t *s, uint16_t *o, int64_t channels) {
     const int64_t half = channels / 2;
     for (int64_t d = 0; d < half; d++) {
-        o[d] = dq(src[d] & 0xfu, s + 2 * d);
-        o[d + half] = dq(src[d] >> 4, s + 2 * (d + half));
+        o[d] = dequantize_code(src[d] & 0xfu, s + 2 * d);
+        o[d + half] = dequantize_code(src[d] >> 4, s + 2 * (d + half));
     }
 }
 

@@ -89,9 +89,7 @@ void dequant_tile(const uint8_t *buf, const uint32_t *sz32, int64_t n, int64_t k
             if (c < r)
                 for (int i = 0; i < 2; i++) {
                     const uint32_t q = (tail[(kk + i) * (r / 2) + c / 2] >> ((c & 1) * 4)) & 0xfu;
-                    const uint16_t *pair = sz + ((kk + i) / group * n + full + c) * 2;
-                    const float w = (float)((int32_t)q - 8) * bf16_to_float(pair[0]) + bf16_to_float(pair[1]);
-                    lane |= (uint32_t)float_to_bf16(w) << (16 * i);
+                    lane |= (uint32_t)dequantize_code(q, sz + ((kk + i) / group * n + full + c) * 2) << (16 * i);
                 }
             t[p * NB + c] = lane;
         }
