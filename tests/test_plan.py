@@ -13,7 +13,8 @@ from spark_edge import exit_codes
 from spark_edge.planning.command import plan as plan_command
 from spark_edge.planning.memory_plan import (MIN_CONTEXT, MIN_PREFILL_CHUNK, PREFILL_CHUNK_TOKENS,
                                               PROMPT_LOGPROBS_BYTES_PER_LOGIT, MemoryPlan, MiB, PlanRefused,
-                                              activation_bytes, kv_bytes_for, logits_transient_bytes, make_plan)
+                                              activation_bytes, kv_bytes_for, logits_transient_bytes, make_plan,
+                                              resident_weight_bytes)
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import weight_bytes
 
@@ -45,6 +46,24 @@ def test_4bit_paths_are_about_a_quarter_of_bf16() -> None:
     assert 0.25 < weight_bytes(SPARK, "w4a16", 128) / bf16 < 0.30
     # w4a8 keeps a bf16 embedding table beside the 4-bit head
     assert weight_bytes(SPARK, "w4a8", 128) > weight_bytes(SPARK, "w4a16", 128)
+
+
+SMOLLM2_1_7B = ModelShape(layers=24, hidden=2048, intermediate=8192, heads=32, kv_heads=32, head_dim=64, vocab=49152,
+                          tied_embeddings=True)
+
+
+def test_resident_bf16_weights_follow_the_vocabulary_table_not_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured settled bf16 weights (an AMD EPYC Zen 4, docs/memory-plan.md): 359 MiB for the default model's
+    257 MiB checkpoint, 3649 MiB for the 1.7B shape's 3264 MiB. The plan must bound both within 15%."""
+    from spark_edge.planning import memory_plan
+
+    monkeypatch.setattr(memory_plan, "host_has_bf16_gemm", lambda: True)
+    for shape, measured in ((SMOLLM2, 359 * MiB), (SMOLLM2_1_7B, 3649 * MiB)):
+        planned = resident_weight_bytes(shape, "bf16", 32)
+        assert measured <= planned < 1.15 * measured, (shape, planned / MiB)
+    assert resident_weight_bytes(SMOLLM2_1_7B, "w4a16", 32) == weight_bytes(SMOLLM2_1_7B, "w4a16", 32)
+    monkeypatch.setattr(memory_plan, "host_has_bf16_gemm", lambda: False)  # oneDNN converts bf16 itself
+    assert resident_weight_bytes(SMOLLM2, "bf16", 32) > 2 * weight_bytes(SMOLLM2, "bf16", 32)
 
 
 def test_ample_memory_gets_what_was_asked() -> None:

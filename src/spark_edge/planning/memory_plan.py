@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.cpu_features import host_has_bf16_gemm
-from spark_edge.planning.weight_bytes import weight_bytes
+from spark_edge.planning.weight_bytes import BF16, weight_bytes
 
 MiB = 1 << 20
 
@@ -32,22 +32,31 @@ MiB = 1 << 20
 # no worker process of its own, which measured ~400 MiB less settled (1306-1442 vs 1696-1841 MiB
 # on w4a16, side by side in one bench run).
 RUNTIME_BASELINE_BYTES = {"engine": 1200 * MiB, "split": 1600 * MiB}
-# Resident weights per checkpoint byte: on bf16, vLLM's CPU linear keeps a oneDNN-packed
-# copy beside part of the weights (bf16 and w4a16 settled 319 MiB apart for 177 MiB of
-# checkpoint difference); the 4-bit paths keep one buffer per weight.
-RESIDENT_WEIGHT_FACTOR = {"bf16": 1.55, "w4a16": 1.0, "w4a8": 1.0}
+# Resident weights: the 4-bit paths keep one buffer per weight (their checkpoint bytes). bf16 keeps its
+# checkpoint plus copies of the vocabulary table: vLLM's CPU head packs the (tied) table for oneDNN beside the
+# embedding's own. Measured as settled anonymous RSS minus everything else, in copies of the table (vocab x
+# hidden bf16): 2.57 on an Intel Xeon with AMX (default model), 1.9 and 2.0 on an AMD EPYC Zen 4 (default
+# model and a 1.7B-shaped one). A whole-checkpoint factor (1.55, the Intel figure) fit the 135M model, whose
+# table is a fifth of it, but planned the 1.7B's bf16 weights 1.4 GiB too high there (measured ~1.1x).
+BF16_TABLE_COPIES = 2.6
 # Without bf16 GEMM hardware (no AVX512-BF16, AMX or arm64 BF16) oneDNN converts bf16 itself, and the bf16
 # path held more: on a Skylake-SP host the bf16 server's anonymous RSS under a 4-client load reached 1878 MiB
-# against 1789 MiB planned with 1.55 (its load peak 1730 MiB). 2.15 covers that with 60 MiB to spare; the
-# cause (oneDNN per-shape weight conversions is the suspect) is not yet measured, nor how it scales.
+# against 1789 MiB planned with 1.55x the checkpoint (its load peak 1730 MiB). 2.15x covers that with 60 MiB to
+# spare; the cause (oneDNN per-shape weight conversions is the suspect) is not yet measured, nor how it scales,
+# so it stays a whole-checkpoint factor.
 BF16_FACTOR_WITHOUT_BF16_HARDWARE = 2.15
 
 
-def resident_weight_factor(weight_path: str) -> float:
-    """Resident weight bytes per checkpoint byte on this host."""
-    if weight_path == "bf16" and not host_has_bf16_gemm():
-        return BF16_FACTOR_WITHOUT_BF16_HARDWARE
-    return RESIDENT_WEIGHT_FACTOR[weight_path]
+def resident_weight_bytes(shape: ModelShape, weight_path: str, group: int) -> int:
+    """Weight bytes the server holds once loaded, on this host."""
+    stored = weight_bytes(shape, weight_path, group)
+    if weight_path != "bf16":
+        return stored
+    if not host_has_bf16_gemm():
+        return int(BF16_FACTOR_WITHOUT_BF16_HARDWARE * stored)
+    return stored + int(BF16_TABLE_COPIES * BF16 * shape.vocab * shape.hidden)
+
+
 # Load-time excess over steady state: peak - settled measured 13 MiB on bf16 and w4a16
 # (vLLM's profiling run and our 2048-row repack chunks stay small).  The weight fraction
 # covers repack transients of larger tables; w4a8's repack (vLLM's own) is not yet measured
@@ -181,7 +190,7 @@ def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens
 
 def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
           requested: int, max_num_seqs: int, baseline: int, batched: int) -> MemoryPlan:
-    weights = int(resident_weight_factor(weight_path) * weight_bytes(shape, weight_path, group))
+    weights = resident_weight_bytes(shape, weight_path, group)
     return MemoryPlan(
         weight_path=weight_path,
         ceiling_bytes=ceiling,
