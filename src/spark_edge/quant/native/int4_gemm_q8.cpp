@@ -77,27 +77,6 @@ static void activation_pairs(const int8_t *xq, int64_t m, int64_t k, __m512i *pa
         }
 }
 
-/* A group ends: tot += s * facc + (z - 8 s) * sum of the group's activations, its scale and zero read once;
- * facc [ROWS_][4] (channels 16 i .. 16 i + 15 of the block) restarts from zero. */
-template <int ROWS_>
-static inline void apply_group(__m512 (*facc)[4], const float *xsum, int64_t g, int64_t groups, const uint32_t *sz32,
-                               int64_t n, int64_t ch0, float *tot, __m512 eight, __m512i high16) {
-    if (g + 1 < groups)
-        for (int line = 0; line < 4; line++)
-            _mm_prefetch((const char *)(sz32 + (g + 1) * n + ch0) + line * 64, _MM_HINT_T0);
-    for (int i = 0; i < 4; i++) {
-        const __m512i v = _mm512_loadu_si512(sz32 + g * n + ch0 + 16 * i);
-        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        const __m512 z = _mm512_fnmadd_ps(eight, s, _mm512_castsi512_ps(_mm512_and_si512(v, high16)));
-        for (int r = 0; r < ROWS_; r++) {
-            const __m512 t = _mm512_loadu_ps(tot + r * 64 + 16 * i);
-            const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
-            _mm512_storeu_ps(tot + r * 64 + 16 * i, _mm512_fmadd_ps(z, xs, _mm512_fmadd_ps(s, facc[r][i], t)));
-            facc[r][i] = _mm512_setzero_ps();
-        }
-    }
-}
-
 /* Per row, per K quad j: the int32 vpdpbusd meets in every lane, bytes (xq[4j], xq[4j+2], xq[4j+1], xq[4j+3])
  * in the order the two unpack levels leave each channel's codes. */
 static void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *quads) {
@@ -136,6 +115,13 @@ struct PairsForm {
         *first = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(1, 0, 1, 0));
         *second = _mm512_shuffle_i32x4(even, odd, _MM_SHUFFLE(3, 2, 3, 2));
     }
+    /* a block's int32 sums, natural channel order (sums[i]: channels 16 i .. 16 i + 15) */
+    static inline void sums(const __m512i acc[4], __m512i out[4]) {
+        natural(acc[0], acc[1], &out[0], &out[1]);
+        natural(acc[2], acc[3], &out[2], &out[3]);
+    }
+    static inline void order(__m512i v[4]) { (void)v; }
+    static inline int channel(int j) { return j; }
 };
 
 /* The quads form: a second unpack level gives each channel its four codes of a K quad in one 32-bit lane, against
@@ -160,24 +146,57 @@ struct QuadsForm {
         return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #endif
     }
-    /* lo lanes hold channels 0-3, 16-19, 8-11, 24-27 and hi lanes 4-7, 20-23, 12-15, 28-31: natural order */
-    static inline void natural(__m512i lo, __m512i hi, __m512i *first, __m512i *second) {
-        *first = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27), hi);
-        *second = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+    /* A block's int32 sums left in lane order (natural() per row and block cost four permutes a row): sums[0]
+     * holds channels 0-3, 16-19, 8-11, 24-27, sums[1] 4-7, 20-23, 12-15, 28-31, sums[2], sums[3] the same + 32.
+     * The group's scales are put in that order once for all rows (order), and the output is written through
+     * channel(), so no row pays for the permutation. */
+    static inline void sums(const __m512i acc[4], __m512i out[4]) {
+        for (int i = 0; i < 4; i++) out[i] = acc[i];
+    }
+    static inline void order(__m512i v[4]) {
+        const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        const __m512i v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
+        v[0] = _mm512_permutex2var_epi32(v0, lo, v1), v[1] = _mm512_permutex2var_epi32(v0, hi, v1);
+        v[2] = _mm512_permutex2var_epi32(v2, lo, v3), v[3] = _mm512_permutex2var_epi32(v2, hi, v3);
+    }
+    /* the channel (0..63 in the block) at position j = 16 i + lane of the form's order */
+    static inline int channel(int j) {
+        static const int8_t lanes[16] = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+        const int i = j / 16, lane = j % 16;
+        return (i >= 2 ? 32 : 0) + lanes[lane] + (i % 2 ? 4 : 0);
     }
 };
 
-/* One 64-channel block, ROWS_ rows, over all K, in Form: into tot [ROWS_][64] fp32, channels in natural order.
- * act: the rows' activations in the form's layout, k / 4 per row. */
+/* A group's scales s and zeros z - 8 s of channels ch0 .. ch0 + 63 in Form's order, read once for all rows (the
+ * (scale, zero) words are permuted before they are split: four permutes a group, not a row); the next group's are
+ * prefetched. */
+template <class Form>
+static inline void group_scales(const uint32_t *sz32, int64_t g, int64_t groups, int64_t n, int64_t ch0, __m512 s[4],
+                                __m512 z[4]) {
+    const __m512i high16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    if (g + 1 < groups)
+        for (int line = 0; line < 4; line++)
+            _mm_prefetch((const char *)(sz32 + (g + 1) * n + ch0) + line * 64, _MM_HINT_T0);
+    __m512i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_si512(sz32 + g * n + ch0 + 16 * i);
+    Form::order(v);
+    for (int i = 0; i < 4; i++) {
+        s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v[i], 16));
+        z[i] = _mm512_fnmadd_ps(eight, s[i], _mm512_castsi512_ps(_mm512_and_si512(v[i], high16)));
+    }
+}
+
+/* One 64-channel block, ROWS_ rows, over all K, in Form: into tot [ROWS_][64] fp32, channels in the form's order
+ * (Form::channel). act: the rows' activations in the form's layout, k / 4 per row. Registers: 4 int32 (or int16)
+ * accumulators a row; the per-block fp32 sums of a group of several blocks wait in facc (L1), not in registers. */
 template <class Form, int ROWS_>
 static void block_rows(const typename Form::Act *act, const float *d, const float *xsum, int64_t k, int64_t group,
                        const uint8_t *wb, const uint32_t *sz32, int64_t n, int64_t ch0, float *tot) {
-    const __m512i low4 = _mm512_set1_epi8(0x0f), high16 = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const int64_t groups = k / group, quads = k / 4, qblocks = k / Q8_BLOCK;
-    __m512 facc[ROWS_][4];
-    for (int r = 0; r < ROWS_; r++)
-        for (int i = 0; i < 4; i++) facc[r][i] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int64_t groups = k / group, quads = k / 4, qblocks = k / Q8_BLOCK, per_group = group / Q8_BLOCK;
+    alignas(64) float facc[ROWS_ * 64];
     for (int64_t b = 0; b < qblocks; b++) {
         __m512i acc[ROWS_][4];
         for (int r = 0; r < ROWS_; r++)
@@ -190,17 +209,27 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
                 for (int i = 0; i < 4; i++) acc[r][i] = Form::dot(acc[r][i], w[i], xv);
             }
         }
+        const int64_t g = b / per_group;
+        const bool first = b % per_group == 0, last = (b + 1) % per_group == 0;
+        __m512 s[4], z[4];
+        if (last) group_scales<Form>(sz32, g, groups, n, ch0, s, z);
         for (int r = 0; r < ROWS_; r++) {
+            __m512i sums[4];
+            Form::sums(acc[r], sums);
             const __m512 db = _mm512_set1_ps(d[r * qblocks + b]);
-            for (int h = 0; h < 2; h++) { /* w[0], w[1]: low nibbles, channels 0-31; w[2], w[3]: 32-63 */
-                __m512i first, second;
-                Form::natural(acc[r][2 * h], acc[r][2 * h + 1], &first, &second);
-                facc[r][2 * h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), db, facc[r][2 * h]);
-                facc[r][2 * h + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), db, facc[r][2 * h + 1]);
+            const __m512 xs = _mm512_set1_ps(last ? xsum[r * groups + g] : 0.0f);
+            for (int i = 0; i < 4; i++) {
+                float *fa = facc + r * 64 + 16 * i, *t = tot + r * 64 + 16 * i;
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), db,
+                                                 first ? _mm512_setzero_ps() : _mm512_load_ps(fa));
+                if (!last) {
+                    _mm512_store_ps(fa, f);
+                    continue;
+                }
+                /* a group ends: tot += s * facc + (z - 8 s) * sum of the group's activations */
+                _mm512_storeu_ps(t, _mm512_fmadd_ps(z[i], xs, _mm512_fmadd_ps(s[i], f, _mm512_loadu_ps(t))));
             }
         }
-        if ((b + 1) * Q8_BLOCK % group == 0) apply_group<ROWS_>(facc, xsum, (b + 1) * Q8_BLOCK / group - 1, groups, sz32,
-                                                          n, ch0, tot, eight, high16);
     }
 }
 
@@ -226,6 +255,8 @@ static void block_all_rows(const Activations &act, const float *d, const float *
     const int64_t groups = k / group, qblocks = k / Q8_BLOCK, ch0 = blk * 64;
     const uint8_t *wb = buf + blk * 64 * (k / 2);
     alignas(64) float tot[QROWS * 64];
+    int channel[64]; /* where the form's order puts each of tot's 64 sums */
+    for (int j = 0; j < 64; j++) channel[j] = act.form == Q8_QUADS ? QuadsForm::channel(j) : PairsForm::channel(j);
     for (int64_t r0 = 0; r0 < m; r0 += QROWS) {
         const int rows = m - r0 < QROWS ? (int)(m - r0) : QROWS;
         memset(tot, 0, sizeof tot);
@@ -237,7 +268,7 @@ static void block_all_rows(const Activations &act, const float *d, const float *
         default: block_rows_form<QROWS>(act, r0, dr, xs, k, group, wb, sz32, n, ch0, tot); break;
         }
         for (int r = 0; r < rows; r++)
-            for (int c = 0; c < 64; c++) out[(r0 + r) * n + ch0 + c] = float_to_bf16(tot[r * 64 + c]);
+            for (int j = 0; j < 64; j++) out[(r0 + r) * n + ch0 + channel[j]] = float_to_bf16(tot[r * 64 + j]);
     }
 }
 
