@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, tree_cpu_seconds
 from spark_edge.metrics.prometheus import DecodeRate, ServerFacts, SparkEdgeCollector, read_events
 from spark_edge.runtime.compile_cache import EVENTS_FILE
 
@@ -74,3 +74,17 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path) ->
     info = (("isa", "avx512"), ("version", "0.1.0"), ("vllm_version", "0.32.0"), ("weight_path", "w4a16"))
     assert samples[("spark_edge_build_info", info)] == 1
     assert samples[("spark_edge_generation_tokens_per_second", ())] == 0
+    assert samples[("spark_edge_process_cpu_seconds_total", ())] > 0  # this test's own process tree
+
+
+def test_the_tree_cpu_counter_grows_with_work_and_the_sampler_slows_once_ready() -> None:
+    sampler = TreeRssSampler(os.getpid(), interval_s=0.01, rescan_s=0.01).start()
+    time.sleep(0.05)
+    before = tree_cpu_seconds(sampler.pids)
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # 0.2 s of this process's CPU
+        pass
+    assert tree_cpu_seconds(sampler.pids) - before >= 0.15
+    sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)
+    assert (sampler.interval_s, sampler.rescan_s) == (SERVING_INTERVAL_S, SERVING_RESCAN_S)
+    sampler.stop()  # wakes the slowed sampler at once: it waits on its stop event

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
-from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.metrics.process_tree import TreeRssSampler, tree_cpu_seconds
 from spark_edge.runtime import compile_cache
 
 
@@ -133,6 +133,10 @@ class SparkEdgeCollector(Collector):
                           "Anonymous RSS summed over the server's process tree", self.sampler.current)
         yield self._gauge("spark_edge_process_rss_anon_peak_bytes",
                           "Sampled high-water mark of the process tree's anonymous RSS", self.sampler.peak)
+        # a counter of the whole tree's CPU time: rate() of it is the cores the server uses, idle or busy
+        yield CounterMetricFamily("spark_edge_process_cpu_seconds",
+                                  "User and system CPU seconds of the server's process tree",
+                                  value=tree_cpu_seconds(self.sampler.pids))
         yield self._gauge("spark_edge_load_rss_anon_peak_bytes",
                           "Peak anonymous RSS of the process tree during model load and warm-up", f.load_peak_bytes)
         yield self._gauge("spark_edge_memory_limit_bytes", "The memory ceiling the plan used", f.memory_limit_bytes)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import click
 
 from spark_edge import __version__
-from spark_edge.metrics.process_tree import TreeRssSampler, rss_anon_bytes
+from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, rss_anon_bytes
 from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
@@ -247,6 +247,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         p.phases.seconds["engine"] = now - engine_start
         p.phases.seconds["ready"] = now - p.phases.start
         facts.load_peak_bytes = p.sampler.peak
+        p.sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)  # the load peak is taken: no need for 20 ms
         seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
         log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
