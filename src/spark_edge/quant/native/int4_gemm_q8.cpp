@@ -153,18 +153,21 @@ struct QuadsForm {
     static inline void sums(const __m512i acc[4], __m512i out[4]) {
         for (int i = 0; i < 4; i++) out[i] = acc[i];
     }
+    /* the channels (of 32) in sums[0]'s lanes; sums[1]'s are the same + 4 */
+    static constexpr int8_t kLanes[16] = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
     static inline void order(__m512i v[4]) {
-        const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-        const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        const auto &l = kLanes; /* constexpr: folds into the same constant vectors as written-out literals */
+        const __m512i lo = _mm512_setr_epi32(l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], l[8], l[9], l[10],
+                                             l[11], l[12], l[13], l[14], l[15]);
+        const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4)); /* constants: folded too */
         const __m512i v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
         v[0] = _mm512_permutex2var_epi32(v0, lo, v1), v[1] = _mm512_permutex2var_epi32(v0, hi, v1);
         v[2] = _mm512_permutex2var_epi32(v2, lo, v3), v[3] = _mm512_permutex2var_epi32(v2, hi, v3);
     }
     /* the channel (0..63 in the block) at position j = 16 i + lane of the form's order */
     static inline int channel(int j) {
-        static const int8_t lanes[16] = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
         const int i = j / 16, lane = j % 16;
-        return (i >= 2 ? 32 : 0) + lanes[lane] + (i % 2 ? 4 : 0);
+        return (i >= 2 ? 32 : 0) + kLanes[lane] + (i % 2 ? 4 : 0);
     }
 };
 
