@@ -16,18 +16,25 @@ from pathlib import Path
 _PROC = Path("/proc")
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3 onward of /proc/PID/stat (proc(5)), or None if the process has gone. The command name (field 2)
+    may hold spaces and parentheses, so the split starts after the last ')'."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def _children_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+        fields = _stat_fields(entry.name)
+        if fields is None:
             continue  # the process ended while we looked
-        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        children.setdefault(int(fields[1]), []).append(int(entry.name))  # field 4: ppid
     return children
 
 
@@ -61,12 +68,8 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of one process (all its threads); 0 if it has gone."""
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3.. of proc(5); utime and stime are 14 and 15
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # fields 14, 15
 
 
 def tree_cpu_seconds(pids: list[int]) -> float:
