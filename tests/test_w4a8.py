@@ -368,7 +368,10 @@ def test_report(tiny_tied: dict[str, Any]) -> None:
 
 
 def test_fused_source_is_split_like_the_unfused_one(tmp_path: Path, tiny_tied: dict[str, Any]) -> None:
-    src = _make_hf(tmp_path / "src", _fuse(tiny_tied["source"]), _tiny_config(tied=True))
+    """Phi-3 stores the Llama block with qkv and gate/up fused: GPTQ's split tensors come out the same."""
+    phi3 = {**_tiny_config(tied=True), "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+            "pad_token_id": 0}
+    src = _make_hf(tmp_path / "src", _fuse(tiny_tied["source"]), phi3)
     out = tmp_path / "out"
     out.mkdir()
     write_w4a8(HFSource(src), out, {})
@@ -398,13 +401,19 @@ def test_group_size_params(tmp_path: Path) -> None:
     [
         (lambda t, c: t.__setitem__("model.layers.0.self_attn.k_proj.weight", t["model.layers.0.self_attn.k_proj.weight"][:48]),
          "multiples of 32"),
-        (lambda t, c: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(64, 64)), "no rule for tensor"),
+        (lambda t, c: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(64, 64)),
+         "model.layers.0.mlp.extra.weight .* is not a Linear weight of a decoder block"),
         (lambda t, c: (t.__setitem__("model.embed_tokens.weight", t["model.embed_tokens.weight"][:224]),
                        c.__setitem__("vocab_size", 224)), "not a multiple of 64"),
+        (lambda t, c: c.__setitem__("architectures", ["MadeUpForCausalLM"]), "does not serve the architecture MadeUp"),
+        # served by vLLM, but through its generic Transformers backend
+        (lambda t, c: c.__setitem__("architectures", ["SmolLM3ForCausalLM"]) or c.__setitem__("model_type", "smollm3"),
+         "only through its generic Transformers backend"),
+        # served by vLLM, but GPT-2's blocks hold Conv1D modules, not Linear ones
         (lambda t, c: c.__setitem__("architectures", ["GPT2LMHeadModel"]) or c.__setitem__("model_type", "gpt2"),
-         "Llama and Spark-X2.5 architectures only"),
+         "GPT2LMHeadModel: found no Linear modules"),
     ],
-    ids=["kernel-shape", "unknown-tensor", "vocab-padding", "architecture"],
+    ids=["kernel-shape", "unknown-tensor", "vocab-padding", "architecture", "transformers-backend", "no-linears"],
 )
 def test_unsupported_sources_are_refused(tmp_path: Path, change: Any, match: str) -> None:
     tensors, config = _tiny_tensors(seed=14, tied=True), _tiny_config(tied=True)

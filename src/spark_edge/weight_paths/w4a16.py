@@ -1,11 +1,12 @@
 """w4a16: 4-bit group-wise weights, bf16 activations, served by the "cpu_int4" method.
 
-Every Linear weight of the decoder layers (Llama: q/k/v/o, gate/up/down; Spark-X2.5: the
-fused q_k_v_proj, out_proj, gate/up/down) and the token embedding (which is also the LM
-head when tied) is quantized with spark_edge.quant.int4_asym; norms and Spark's head gate
-(g_proj, 0.001% of the weights) stay bf16.  Tensor names are kept: the model loaders split
-a fused q_k_v_proj by rows, which is exact for these tensors (N stays on dim 0).  Streaming: one source tensor is loaded,
-quantized and written at a time.
+Every Linear weight of the decoder blocks, as the architecture's own module tree says
+(spark_edge.checkpoints.architecture: Llama's q/k/v/o and gate/up/down, Phi-3's fused
+qkv_proj and gate_up_proj, Spark-X2.5's q_k_v_proj and out_proj, ...), the token embedding
+and an untied head are quantized with spark_edge.quant.int4_asym; norms, biases and Spark's
+head gate (g_proj, 0.001% of the weights) stay bf16.  Tensor names are kept: vLLM's loaders
+split a fused tensor by rows, which is exact here (N stays on dim 0).  Streaming: one source
+tensor is loaded, quantized and written at a time.
 
 Params:
   group_size      K elements per (scale, zero) group; default 32 (the default model's
@@ -27,27 +28,15 @@ from typing import Any, Iterator
 
 import torch
 
+from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, check_vllm_implements, structure
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
-from spark_edge.models import spark_layout
 from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
 from spark_edge.quant.int4_asym import bits_per_weight, quantize
 from spark_edge.quant.tinygemm_layout import kernel_supports
 
 REPORT_NAME = "quantization_report.json"
-EMBEDDING = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-EMBEDDINGS = (EMBEDDING, spark_layout.EMBEDDING)
-LINEAR_SUFFIXES = spark_layout.LINEAR_WEIGHT_SUFFIXES + (
-    ".self_attn.q_proj.weight",
-    ".self_attn.k_proj.weight",
-    ".self_attn.v_proj.weight",
-    ".self_attn.o_proj.weight",
-    ".mlp.gate_proj.weight",
-    ".mlp.up_proj.weight",
-    ".mlp.down_proj.weight",
-)
 _PARAMS = {"group_size": int, "search": bool, "keep_embedding": bool, "direct_dequant": bool}
 
 
@@ -83,49 +72,34 @@ def _options(params: dict[str, Any]) -> _Options:
     return _Options(settings, params.get("search", True))
 
 
-def _check_architecture(config: dict[str, Any]) -> None:
-    if spark_layout.is_spark(config):
-        return
-    if config.get("model_type") != "llama" and "LlamaForCausalLM" not in config.get("architectures", []):
-        raise CheckpointError(
-            "w4a16 knows the Llama and Spark-X2.5 architectures only, not "
-            f"{config.get('architectures') or config.get('model_type')}"
-        )
-
-
-def _action(name: str, shape: tuple[int, ...], tied: bool, opts: _Options) -> str:
-    if name == LM_HEAD and tied:
+def _action(role: Role, opts: _Options) -> str:
+    if role is Role.TIED_HEAD:
         return "drop"  # tied: vLLM builds the head from the embedding and would skip this copy
-    if name in EMBEDDINGS or name == LM_HEAD:
+    if role in (Role.EMBEDDING, Role.HEAD):
         return "int4" if opts.settings.quantize_embedding else "bf16"
-    if name.endswith(spark_layout.HEAD_GATE):
-        return "bf16"  # a plain parameter in the model, never a quantized linear
-    if name.endswith(LINEAR_SUFFIXES):
-        return "int4"
-    if len(shape) == 1:
-        return "bf16"  # norms
-    raise CheckpointError(f"w4a16: no rule for tensor {name} {list(shape)}; refusing to guess")
+    return "int4" if role is Role.LINEAR else "bf16"  # norms, biases, Spark's head gate
 
 
-def _check_quantizable(item: _Item, group_size: int) -> None:
+def _check_quantizable(item: _Item, group_size: int, tables: tuple[str, str]) -> None:
     if len(item.shape) != 2:
         raise CheckpointError(f"w4a16: {item.name} has shape {list(item.shape)}, expected 2-D")
     n, k = item.shape
     if k % group_size:
         raise CheckpointError(f"w4a16: {item.name}: K={k} is not a multiple of group size {group_size}")
     # vLLM pads the vocab to a multiple of 64 before packing, so only linears need the check
-    if item.name not in (*EMBEDDINGS, LM_HEAD) and not kernel_supports(n):
+    if item.name not in tables and not kernel_supports(n):
         raise CheckpointError(f"w4a16: {item.name}: N={n} is not a multiple of 16 (CPU int4 kernel)")
 
 
 def _plan(source: CheckpointSource, opts: _Options) -> list[_Item]:
     config = source.hf_config()
-    _check_architecture(config)
-    tied = bool(config.get("tie_word_embeddings", False))
-    items = [_Item(s.name, tuple(s.shape), _action(s.name, tuple(s.shape), tied, opts)) for s in source.tensor_specs()]
+    check_vllm_implements(architecture_of(config))
+    arch: Structure = structure(config)
+    items = [_Item(s.name, tuple(s.shape), _action(arch.role(s.name, tuple(s.shape)), opts))
+             for s in source.tensor_specs()]
     for item in items:
         if item.action == "int4":
-            _check_quantizable(item, opts.settings.group_size)
+            _check_quantizable(item, opts.settings.group_size, (arch.embedding, arch.head))
     return items
 
 

@@ -6,8 +6,8 @@ host, else as W4A16 (`cpu_gemm_wna16`).  Both fix the zero point at 8, so the gr
 symmetric (spark_edge.quant.int4_sym) and the tensors are AutoGPTQ's
 (spark_edge.quant.gptq_layout).
 
-What is quantized: every Linear of the decoder layers (Llama: q/k/v/o, gate/up/down;
-Spark-X2.5: q_k_v_proj, out_proj, gate/up/down) and the output head.  Spark's head gate
+What is quantized: every Linear of the decoder blocks, as the architecture's own module
+tree says (spark_edge.checkpoints.architecture), and the output head.  Spark's head gate
 (g_proj) stays bf16: the model holds it as a plain parameter.  The head matters most: it is the largest matrix read per decode step,
 and a bf16 head alone costs more per step than all the 4-bit savings.  A tied source is
 therefore untied: the bf16 table stays for token lookup (vLLM's GPTQ method has no
@@ -38,6 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
+from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, check_vllm_implements, structure
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
@@ -46,18 +47,7 @@ from spark_edge.quant import gptq_layout
 from spark_edge.quant.int4_sym import SCALE_DTYPE
 
 REPORT_NAME = "quantization_report.json"
-EMBEDDING = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
-EMBEDDINGS = (EMBEDDING, spark_layout.EMBEDDING)
-LINEAR_SUFFIXES = spark_layout.LINEAR_WEIGHT_SUFFIXES + (
-    ".self_attn.q_proj.weight",
-    ".self_attn.k_proj.weight",
-    ".self_attn.v_proj.weight",
-    ".self_attn.o_proj.weight",
-    ".mlp.gate_proj.weight",
-    ".mlp.up_proj.weight",
-    ".mlp.down_proj.weight",
-)
+LM_HEAD = "lm_head.weight"  # what vLLM's GPTQ loader reads the quantized head from
 QKV = ".self_attn.qkv_proj."
 FUSED_QKV = (QKV, spark_layout.QKV)
 GATE_UP = ".mlp.gate_up_proj."
@@ -106,16 +96,6 @@ def _options(params: dict[str, Any]) -> _Options:
     return _Options(group_size, params.get("search", False))
 
 
-def _check_architecture(config: dict[str, Any]) -> None:
-    if spark_layout.is_spark(config):
-        return
-    if config.get("model_type") != "llama" and "LlamaForCausalLM" not in config.get("architectures", []):
-        raise CheckpointError(
-            "w4a8 knows the Llama and Spark-X2.5 architectures only, not "
-            f"{config.get('architectures') or config.get('model_type')}"
-        )
-
-
 def _fused_parts(name: str, config: dict[str, Any]) -> list[tuple[str, int]] | None:
     """(unfused name, rows) of a fused qkv / gate_up tensor; None if `name` is not fused."""
     fused = next((f for f in FUSED_QKV if f in name), None)
@@ -149,32 +129,20 @@ def _split(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> list[_I
     return items
 
 
-def _items_for(name: str, shape: tuple[int, ...], config: dict[str, Any], head_source: str) -> list[_Item]:
-    if name in EMBEDDINGS:
+def _items_for(
+    name: str, shape: tuple[int, ...], config: dict[str, Any], arch: Structure, head_source: str
+) -> list[_Item]:
+    role = arch.role(name, shape)
+    if role is Role.EMBEDDING:
         items = [_Item(name, name, None, shape, "bf16")]
         if head_source == name:  # tied: the head is quantized from the same loaded table
             items.append(_Item(LM_HEAD, name, None, shape, "gptq"))
         return items
-    if name == LM_HEAD:
-        return [_Item(name, name, None, shape, "gptq")] if head_source == LM_HEAD else []
+    if role in (Role.HEAD, Role.TIED_HEAD):
+        return [_Item(LM_HEAD, name, None, shape, "gptq")] if head_source == name else []
     if _fused_parts(name, config) is not None:
         return _split(name, shape, config)
-    if name.endswith(LINEAR_SUFFIXES):
-        return [_Item(name, name, None, shape, "gptq")]
-    if name.endswith(spark_layout.HEAD_GATE):
-        return [_Item(name, name, None, shape, "bf16")]
-    if len(shape) == 1:
-        return [_Item(name, name, None, shape, "bf16")]  # norms, biases
-    raise CheckpointError(f"w4a8: no rule for tensor {name} {list(shape)}; refusing to guess")
-
-
-def _head_source(config: dict[str, Any], names: set[str]) -> str:
-    """Where the output head comes from: its own tensor, or the embedding when tied."""
-    embedding = next((e for e in EMBEDDINGS if e in names), None)
-    if embedding is None:
-        raise CheckpointError(f"w4a8: the source has no token embedding ({' or '.join(EMBEDDINGS)})")
-    tied = bool(config.get("tie_word_embeddings", False))
-    return LM_HEAD if LM_HEAD in names and not tied else embedding
+    return [_Item(name, name, None, shape, "gptq" if role is Role.LINEAR else "bf16")]
 
 
 def _check_kernel_shape(item: _Item) -> None:
@@ -212,19 +180,23 @@ def _choose_group_size(items: list[_Item], requested: int | None) -> int:
 class _Plan:
     items: list[_Item]
     group_size: int
-    head_source: str  # LM_HEAD, or EMBEDDING when the source ties them
+    head_source: str  # the source tensor the head is quantized from: its own, or the table when tied
     dropped: list[str]  # source tensors not written (a tied source's own head copy)
 
 
 def _plan(source: CheckpointSource, opts: _Options) -> _Plan:
     config = source.hf_config()
-    _check_architecture(config)
+    check_vllm_implements(architecture_of(config))
+    arch = structure(config)
     specs = source.tensor_specs()
-    head_source = _head_source(config, {s.name for s in specs})
+    names = {s.name for s in specs}
+    if arch.embedding not in names:
+        raise CheckpointError(f"w4a8: the source has no token embedding ({arch.embedding})")
+    head_source = arch.embedding if arch.tied or arch.head not in names else arch.head
     items: list[_Item] = []
     dropped: list[str] = []
     for spec in specs:
-        produced = _items_for(spec.name, tuple(spec.shape), config, head_source)
+        produced = _items_for(spec.name, tuple(spec.shape), config, arch, head_source)
         items.extend(produced)
         if not produced:
             dropped.append(spec.name)
