@@ -19,7 +19,8 @@ from spark_edge.models import synth
 from spark_edge.models.command import SYNTH_PRESETS
 
 # published parameter counts (embedding counted once when tied)
-PARAMS = {"smollm2-1.7b": 1.71e9, "llama-3.2-1b": 1.24e9, "qwen2.5-1.5b": 1.54e9, "spark-x2.5-1.7b": 1.7e9}
+PARAMS = {"smollm2-1.7b": 1.71e9, "llama-3.2-1b": 1.24e9, "qwen2.5-1.5b": 1.54e9, "qwen3-1.7b": 1.72e9,
+          "gemma-3-1b": 1.0e9, "phi-3-mini": 3.82e9, "spark-x2.5-1.7b": 1.7e9}
 
 
 def test_the_command_offers_every_preset() -> None:

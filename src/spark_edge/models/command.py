@@ -41,21 +41,24 @@ def tiny_spark(out: Path, layers: int, hidden: int, intermediate: int, vocab: in
 
 
 # the names `synth` accepts, without importing torch for --help (tests check they match synth.PRESETS)
-SYNTH_PRESETS = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b", "spark-x2.5-1.7b")
+SYNTH_PRESETS = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini",
+                 "spark-x2.5-1.7b")
 
 
 @click.command("synth")
 @click.option("--like", type=click.Choice(SYNTH_PRESETS), required=True, help="The model whose geometry to copy.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to create (absent or empty).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def synth(like: str, out: Path, seed: int) -> None:
+@click.option("--tiny", is_flag=True, help="Keep the architecture and attention geometry, shrink the rest "
+              "(hidden 256, 4 layers, vocabulary 512): for checks against a reference implementation.")
+def synth(like: str, out: Path, seed: int, tiny: bool) -> None:
     """A Hugging Face checkpoint with a real model's geometry and random weights (the default model's
     tokenizer), written tensor by tensor: for `plan`, `bench` and `serve` on a box before the weights exist.
     Its text is noise; `serve` says so."""
     from spark_edge.models.synth import write_synthetic
 
     try:
-        write_synthetic(like, out, seed)
+        write_synthetic(like, out, seed, small=tiny)
     except FileExistsError as exc:
         click.echo(f"spark-edge: error: {exc}", err=True)
         sys.exit(exit_codes.USAGE)

@@ -134,7 +134,8 @@ def _byte_vocab() -> dict[str, int]:
     return {chars[b]: b for b in range(BYTE_TOKENS)}
 
 
-def write_tokenizer(out: Path, vocab_size: int) -> None:
+def write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
+    """Write the tokenizer files; returns the ids of its "bos", "eos" and "pad" tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
@@ -150,6 +151,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
         "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
         "model_max_length": 1048576, "clean_up_tokenization_spaces": False,
     }, indent=2) + "\n")
+    return {"bos": tok.token_to_id(BOS), "eos": tok.token_to_id(EOS), "pad": tok.token_to_id(PAD)}
 
 
 def make_tiny_spark(out: Path, shape: TinySparkShape = TinySparkShape(), seed: int = 0) -> Path:

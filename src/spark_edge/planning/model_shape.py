@@ -31,8 +31,13 @@ class ModelShape:
     def from_config(cls, config: dict[str, Any]) -> "ModelShape":
         heads = int(config["num_attention_heads"])
         layer_types = config.get("layer_types") or []
-        window = config.get("sliding_window")
-        sliding = sum(t == SLIDING_LAYER_TYPE for t in layer_types) if window else 0
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        if not window:
+            sliding = 0
+        elif layer_types:
+            sliding = sum(t == SLIDING_LAYER_TYPE for t in layer_types)
+        else:  # a window and no layer types: vLLM windows every layer (Phi-3's 2047 tokens)
+            sliding = int(config["num_hidden_layers"])
         return cls(
             layers=int(config["num_hidden_layers"]),
             hidden=int(config["hidden_size"]),
