@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conftest import single_process_tp_group
+from hf_reference import logprob_matrix
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
@@ -440,16 +441,6 @@ def _shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _logprob_matrix(entries: list[dict | None], vocab: int) -> torch.Tensor:
-    """vLLM's per-position {token: Logprob} (all of the vocabulary) -> float64 [positions, vocab]."""
-    out = torch.full((len(entries), vocab), float("nan"), dtype=torch.float64)
-    for i, entry in enumerate(entries):
-        for token, lp in entry.items():
-            out[i, token] = lp.logprob
-    assert not out.isnan().any()
-    return out
-
-
 def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, **kw: Any) -> list[Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -480,8 +471,8 @@ def long_run(bf16_llm: Any) -> dict[str, Any]:
     prompt = _ids(PROMPT_LEN, seed=11)
     out = _generate(bf16_llm, [prompt], 24, prompt_logprobs=-1, logprobs=-1)[0]
     gen = out.outputs[0]
-    return {"prompt": prompt, "prompt_lp": _logprob_matrix(out.prompt_logprobs[1:], 512),
-            "tokens": list(gen.token_ids), "gen_lp": _logprob_matrix(gen.logprobs, 512)}
+    return {"prompt": prompt, "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512),
+            "tokens": list(gen.token_ids), "gen_lp": logprob_matrix(gen.logprobs, 512)}
 
 
 @pytest.fixture(scope="class")
@@ -575,7 +566,7 @@ def _quantized_run(llm: Any) -> dict[str, Any]:
     out = _generate(llm, [prompt], 16, prompt_logprobs=-1, logprobs=-1)[0]
     gen = out.outputs[0]
     return {"prompt": prompt, "tokens": list(gen.token_ids),
-            "prompt_lp": _logprob_matrix(out.prompt_logprobs[1:], 512), "gen_lp": _logprob_matrix(gen.logprobs, 512)}
+            "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512), "gen_lp": logprob_matrix(gen.logprobs, 512)}
 
 
 def _compare_to_dequantized_reference(checkpoint: Path, run: dict[str, Any], mean_nat: float,

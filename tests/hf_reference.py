@@ -1,0 +1,66 @@
+"""Hugging Face transformers' implementation of a checkpoint's architecture, in float64, as the reference;
+and vLLM's log-probs in the same form, to compare with it.
+
+Any built checkpoint (bf16, w4a16's cpu_int4, w4a8's GPTQ) is decoded to full-precision weights by name, so
+a 4-bit path is compared with the reference on its own grid: what is left is the engine's arithmetic
+(bf16 activations, int8 ones where a kernel uses them), not the 4-bit rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from spark_edge.models.spark_reference import _Weights
+
+# a fused tensor and the parts a GPTQ export writes instead (vLLM's loaders stack them again)
+FUSED_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def _weight(weights: _Weights, name: str) -> torch.Tensor:
+    try:
+        return weights.get(name)
+    except KeyError:
+        fused = next((f for f in FUSED_PARTS if f in name), None)
+        if fused is None:
+            raise
+        return torch.cat([weights.get(name.replace(fused, part)) for part in FUSED_PARTS[fused]])
+
+
+def reference_model(checkpoint: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    weights = _Weights(checkpoint, config)
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config", "torch_dtype")}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    hf_config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float64).eval()
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+    state = {name: _weight(weights, name).reshape(param.shape)
+             for name, param in model.state_dict().items() if not (tied and name == head_name)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {head_name}, (missing, unexpected)  # a tied head reads the table
+    return model
+
+
+def logprob_matrix(entries: list[dict | None], vocab: int) -> torch.Tensor:
+    """vLLM's per-position {token: Logprob} (the whole vocabulary) -> float64 [positions, vocab]."""
+    out = torch.full((len(entries), vocab), float("nan"), dtype=torch.float64)
+    for i, entry in enumerate(entries):
+        for token, lp in entry.items():
+            out[i, token] = lp.logprob
+    assert not out.isnan().any()
+    return out
+
+
+@torch.no_grad()
+def reference_log_probs(checkpoint: Path, tokens: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """float64 [len(tokens) - 1, vocab]: row i is the distribution of token i + 1 given tokens[: i + 1], computed
+    in `dtype` (bfloat16: what rounding alone costs this model, the yardstick of a bf16 engine)."""
+    logits = reference_model(checkpoint).to(dtype)(torch.tensor([tokens])).logits[0, :-1]
+    return torch.log_softmax(logits.double(), dim=-1)
