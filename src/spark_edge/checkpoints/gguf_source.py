@@ -1,17 +1,20 @@
 """A GGUF file as a checkpoint source: HF config, HF tensor names, dequantized tensors.
 
 Tensors are dequantized one at a time from the memory-mapped file, so a 1.7 B model
-never has two full copies in memory.  Only the Llama architecture is mapped for now;
-anything else is refused by name before a byte is written.
+never has two full copies in memory.  Tensor names follow llama.cpp's own naming: gguf-py's
+tensor-name map applied to the names the Hugging Face architecture holds (its transformers
+model on the meta device), so every tensor of the file must have its HF counterpart, shape
+included, or the file is refused naming it.  The llama, qwen2 and qwen3 architectures are
+mapped; anything else is refused by name before a byte is written.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,39 +27,25 @@ from spark_edge.checkpoints.safetensors_stream import TensorSpec
 
 _MAGIC = b"GGUF"
 
-# GGUF tensor name -> HF Llama tensor name ({i} is the layer index)
-_LLAMA_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+@dataclass(frozen=True)
+class _Family:
+    architecture: str  # the Hugging Face class llama.cpp's converter reads
+    model_type: str
+    rope_permuted: bool = False  # llama.cpp reorders Q/K rows of its "llama" architecture only
+
+
+# llama.cpp architecture -> what its Hugging Face checkpoint was
+_FAMILIES = {
+    "llama": _Family("LlamaForCausalLM", "llama", rope_permuted=True),
+    "qwen2": _Family("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": _Family("Qwen3ForCausalLM", "qwen3"),
 }
-_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # llama.cpp pre-tokenizers that split every digit on its own (its "\p{N}" rule);
 # transformers' GGUF tokenizer conversion leaves that step out.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _LLAMA_NAMES:
-        return _LLAMA_NAMES[gguf_name]
-    m = _LAYER.match(gguf_name)
-    if m:
-        template = _LLAMA_NAMES.get(f"blk.{{i}}.{m.group(2)}")
-        if template:
-            return template.format(i=m.group(1))
-    return None
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,8 +67,10 @@ class GGUFSource:
                 f"{self.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         self._arch = arch
-        self._tensors = self._map_tensors()
+        self._family = _FAMILIES[arch]
+        self._gguf_tensors = {t.name: t for t in self._reader.tensors}
         self._config = self._build_config()
+        self._tensors = self._map_tensors()
 
     # -- opening and validation ---------------------------------------------------------
     @staticmethod
@@ -106,14 +97,36 @@ class GGUFSource:
         return None if field is None else field.contents()
 
     def _map_tensors(self) -> dict[str, Any]:
+        """HF name -> GGUF tensor, through gguf-py's name map of this architecture; shapes checked."""
+        import gguf
+
+        from spark_edge.checkpoints.architecture import tensor_shapes
+
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self._arch)
+        names = gguf.get_tensor_name_map(arch, int(self._config["num_hidden_layers"]))
+        expected = dict(tensor_shapes(self._config))
+        to_hf: dict[str, str] = {}
+        for hf in expected:
+            stem, _, suffix = hf.rpartition(".")
+            gguf_stem = names.get_name(stem)
+            if gguf_stem is not None:
+                to_hf[f"{gguf_stem}.{suffix}"] = hf
         mapped: dict[str, Any] = {}
+        if "rope_freqs.weight" in self._gguf_tensors:
+            raise CheckpointError(f"{self.path}: per-dimension RoPE frequency factors (rope_freqs.weight, e.g. Llama "
+                                  "3.x's RoPE scaling) are not supported yet")
         for t in self._reader.tensors:
-            name = _hf_name(t.name)
-            if name is None:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face {self._arch} equivalent")
-            mapped[name] = t
-        if "model.embed_tokens.weight" not in mapped:
-            raise CheckpointError(f"{self.path}: no token embedding (token_embd.weight)")
+            hf = to_hf.get(t.name)
+            if hf is None:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face {self._family.architecture} equivalent")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if shape != expected[hf]:
+                raise CheckpointError(f"{self.path}: tensor {t.name} is {list(shape)}; its config implies {list(expected[hf])}")
+            mapped[hf] = t
+        missing = sorted(set(expected) - set(mapped))
+        if missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} tensors of {self._family.architecture} are missing "
+                                  f"(first: {missing[0]})")
         return mapped
 
     # -- config -------------------------------------------------------------------------
@@ -129,20 +142,24 @@ class GGUFSource:
 
         hidden = int(need("embedding_length"))
         heads = int(need("attention.head_count"))
+        embedding = self._gguf_tensors.get("token_embd.weight")
+        if embedding is None:
+            raise CheckpointError(f"{self.path}: no token embedding (token_embd.weight)")
         n_vocab = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = int(m.get(f"{a}.vocab_size") or (len(n_vocab.data) if n_vocab else 0))
-        embd_rows = int(self._tensors["model.embed_tokens.weight"].shape[1])
+        embd_rows = int(embedding.shape[1])
         if vocab != embd_rows:
             raise CheckpointError(f"{self.path}: vocab size {vocab} does not match the embedding's {embd_rows} rows")
         config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self._family.architecture],
+            "model_type": self._family.model_type,
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
             "num_hidden_layers": int(need("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(m.get(f"{a}.attention.head_count_kv") or heads),
-            "head_dim": int(m.get(f"{a}.rope.dimension_count") or hidden // heads),
+            # Qwen3's heads are wider than hidden / heads: key_length says so where the converter wrote it
+            "head_dim": int(m.get(f"{a}.attention.key_length") or m.get(f"{a}.rope.dimension_count") or hidden // heads),
             "max_position_embeddings": int(need("context_length")),
             "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(m.get(f"{a}.rope.freq_base") or 10000.0),
@@ -150,7 +167,7 @@ class GGUFSource:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "tie_word_embeddings": "output.weight" not in self._gguf_tensors,
             "torch_dtype": "bfloat16",
         }
         for key, tok_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
@@ -173,6 +190,8 @@ class GGUFSource:
         ]
 
     def _transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+        if not self._family.rope_permuted:
+            return None
         if name.endswith("self_attn.q_proj.weight"):
             return lambda w: _unpermute_rope(w, self._config["num_attention_heads"])
         if name.endswith("self_attn.k_proj.weight"):
