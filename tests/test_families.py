@@ -3,7 +3,7 @@ Hugging Face transformers' float64 implementation of the same architecture on th
 
 Each family is a tiny random checkpoint with its real structure (`spark-edge synth --like NAME --tiny`: the
 published config's architecture fields and attention geometry, hidden 256, 4 layers, a 512-token byte-level
-vocabulary; Gemma 3 keeps sliding and full layers with a 64-token window that the prompt crosses). It is built
+vocabulary; Gemma 3 keeps its five sliding layers and one full one, with a 64-token window the prompt crosses). It is built
 for each weight path, served by vLLM's offline engine (one start per family and path), and its prompt
 log-probs over a 256-token prompt and 16 greedy tokens with theirs are compared with the reference: on the
 bf16 weights for bf16, on the checkpoint's own decoded 4-bit weights for the 4-bit paths (what is left is the
@@ -67,7 +67,8 @@ def test_w4a16_quantizes_every_decoder_linear_of_the_family(family: str, sources
     report = json.loads((out / "quantization_report.json").read_text())
     tables = {arch.embedding} | (set() if arch.tied else {arch.head})
     assert set(report["tensors"]) == set(arch.linears) | tables
-    assert len(arch.linears) == synth.TINY["layers"] * (4 if family == "phi-3-mini" else 7)  # fused qkv, gate_up
+    layers = config["num_hidden_layers"]
+    assert len(arch.linears) == layers * (4 if family == "phi-3-mini" else 7)  # Phi-3: fused qkv, gate_up
     assert report["dropped"] == []  # Hugging Face writes no copy of a tied head
 
 
@@ -83,7 +84,8 @@ def test_w4a8_writes_each_family_in_the_layout_vllm_gptq_loads(family: str, sour
         names = set(f.keys())
     projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    expected = {f"model.layers.{i}.{p}.qweight" for i in range(synth.TINY["layers"]) for p in projections}
+    layers = json.loads((sources[family] / "config.json").read_text())["num_hidden_layers"]
+    expected = {f"model.layers.{i}.{p}.qweight" for i in range(layers) for p in projections}
     assert {n for n in names if n.endswith(".qweight")} == expected | {"lm_head.qweight"}
     assert "model.embed_tokens.weight" in names and not any(".qkv_proj." in n or ".gate_up_proj." in n for n in names)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False

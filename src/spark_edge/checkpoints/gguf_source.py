@@ -5,7 +5,9 @@ never has two full copies in memory.  Tensor names follow llama.cpp's own naming
 tensor-name map applied to the names the Hugging Face architecture holds (its transformers
 model on the meta device), so every tensor of the file must have its HF counterpart, shape
 included, or the file is refused naming it.  The llama, qwen2 and qwen3 architectures are
-mapped; anything else is refused by name before a byte is written.
+mapped, and gemma3 and phi3 with what llama.cpp fixes in its code for them (Gemma 3's layer
+pattern and sliding-layer RoPE base, its norms stored as 1 + w); anything else is refused by
+name before a byte is written.
 """
 
 from __future__ import annotations
@@ -27,11 +29,40 @@ from spark_edge.checkpoints.safetensors_stream import TensorSpec
 
 _MAGIC = b"GGUF"
 
+GEMMA3_SWA_PERIOD = 6  # llama.cpp's gemma3 has five sliding-window layers, then a global one (not in the file)
+GEMMA3_SWA_THETA = 10000.0  # and RoPE base 10000 on the sliding layers (neither)
+
+
+def _gemma3_fields(meta: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp's gemma3 reads from the file or fixes in its code, in Hugging Face's Gemma 3 fields."""
+    period = GEMMA3_SWA_PERIOD
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": head_dim,  # llama.cpp scales scores by 1/sqrt(key_length) below 27B
+        "sliding_window": int(meta("attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
+        "rope_local_base_freq": GEMMA3_SWA_THETA,
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+    }
+
+
+def _phi3_fields(meta: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+    fields = {"sliding_window": meta("attention.sliding_window")}
+    original = meta("rope.scaling.original_context_length")
+    if original:
+        fields["original_max_position_embeddings"] = int(original)
+    return fields
+
+
 @dataclass(frozen=True)
 class _Family:
     architecture: str  # the Hugging Face class llama.cpp's converter reads
     model_type: str
     rope_permuted: bool = False  # llama.cpp reorders Q/K rows of its "llama" architecture only
+    norm_shift: float = 0.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
+    fields: Callable[[Callable[[str], Any], int, int], dict[str, Any]] | None = None
 
 
 # llama.cpp architecture -> what its Hugging Face checkpoint was
@@ -39,6 +70,13 @@ _FAMILIES = {
     "llama": _Family("LlamaForCausalLM", "llama", rope_permuted=True),
     "qwen2": _Family("Qwen2ForCausalLM", "qwen2"),
     "qwen3": _Family("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": _Family("Gemma3ForCausalLM", "gemma3_text", norm_shift=1.0, fields=_gemma3_fields),
+    "phi3": _Family("Phi3ForCausalLM", "phi3", fields=_phi3_fields),
+}
+# tensors some converters add that no mapped architecture reads: refused by name
+_UNMAPPED_EXTRAS = {
+    "rope_freqs.weight": "per-dimension RoPE frequency factors (rope_freqs.weight, e.g. Llama 3.x's RoPE scaling)",
+    "rope_factors_long.weight": "LongRoPE factors (rope_factors_long.weight, Phi-3's 128k variants)",
 }
 
 # llama.cpp pre-tokenizers that split every digit on its own (its "\p{N}" rule);
@@ -112,9 +150,9 @@ class GGUFSource:
             if gguf_stem is not None:
                 to_hf[f"{gguf_stem}.{suffix}"] = hf
         mapped: dict[str, Any] = {}
-        if "rope_freqs.weight" in self._gguf_tensors:
-            raise CheckpointError(f"{self.path}: per-dimension RoPE frequency factors (rope_freqs.weight, e.g. Llama "
-                                  "3.x's RoPE scaling) are not supported yet")
+        for extra, what in _UNMAPPED_EXTRAS.items():
+            if extra in self._gguf_tensors:
+                raise CheckpointError(f"{self.path}: {what} are not supported yet")
         for t in self._reader.tensors:
             hf = to_hf.get(t.name)
             if hf is None:
@@ -150,6 +188,11 @@ class GGUFSource:
         embd_rows = int(embedding.shape[1])
         if vocab != embd_rows:
             raise CheckpointError(f"{self.path}: vocab size {vocab} does not match the embedding's {embd_rows} rows")
+        # Qwen3's and Gemma's heads are wider than hidden / heads: key_length says so where the converter wrote it
+        head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
+        rope_dims = m.get(f"{a}.rope.dimension_count")
+        if rope_dims and int(rope_dims) != head_dim:
+            raise CheckpointError(f"{self.path}: RoPE on {rope_dims} of {head_dim} head dimensions is not supported yet")
         config: dict[str, Any] = {
             "architectures": [self._family.architecture],
             "model_type": self._family.model_type,
@@ -158,8 +201,7 @@ class GGUFSource:
             "num_hidden_layers": int(need("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(m.get(f"{a}.attention.head_count_kv") or heads),
-            # Qwen3's heads are wider than hidden / heads: key_length says so where the converter wrote it
-            "head_dim": int(m.get(f"{a}.attention.key_length") or m.get(f"{a}.rope.dimension_count") or hidden // heads),
+            "head_dim": head_dim,
             "max_position_embeddings": int(need("context_length")),
             "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(m.get(f"{a}.rope.freq_base") or 10000.0),
@@ -176,6 +218,8 @@ class GGUFSource:
                 config[key] = int(value)
         if m.get(f"{a}.rope.scaling.type") not in (None, "none"):
             raise CheckpointError(f"{self.path}: RoPE scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported yet")
+        if self._family.fields is not None:
+            config.update(self._family.fields(lambda key: m.get(f"{a}.{key}"), config["num_hidden_layers"], head_dim))
         return config
 
     def hf_config(self) -> dict[str, Any]:
@@ -190,6 +234,8 @@ class GGUFSource:
         ]
 
     def _transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
+        if self._family.norm_shift and name.endswith("norm.weight"):
+            return lambda w: w - np.float32(self._family.norm_shift)
         if not self._family.rope_permuted:
             return None
         if name.endswith("self_attn.q_proj.weight"):

@@ -13,7 +13,7 @@ small model's logits spread over a few units: every matrix ~N(0, 1/width) (the t
 head's logits have unit scale), biases ~N(0, 0.02), norms ~1.
 
 `--tiny` keeps a preset's architecture fields and attention geometry (heads, KV heads, head width) and
-shrinks the rest (hidden ~256, 4 layers, MLP 512, a 512-token byte-level tokenizer, windows of 64 tokens):
+shrinks the rest (hidden ~256, 4 layers or one period of a layer pattern, MLP 512, a 512-token byte-level tokenizer, windows of 64 tokens):
 a model small enough to check against a reference implementation, with the family's real structure.
 """
 
@@ -101,10 +101,12 @@ def tiny(preset: Preset) -> Preset:
     states its head width keeps its heads; one that leaves it to hidden / heads (vLLM's Qwen2 derives it so)
     keeps the head width and as many heads as the tiny width holds, KV heads in proportion."""
     extra = dict(preset.extra)
-    if "layer_types" in extra:  # keep both layer kinds: three sliding layers, then a full one
-        extra["layer_types"] = ["sliding_attention"] * (TINY["layers"] - 1) + ["full_attention"]
-        extra["sliding_window"] = TINY_WINDOW
     shape = dict(TINY)
+    if "layer_types" in extra:  # the published pattern's first period (Gemma 3: five sliding layers, one full)
+        types = list(extra["layer_types"])
+        extra["layer_types"] = types[: types.index("full_attention") + 1]
+        extra["sliding_window"] = TINY_WINDOW
+        shape["layers"] = len(extra["layer_types"])
     if preset.head_dim is None:
         heads = max(1, TINY["hidden"] // preset.dim)
         shape.update(hidden=heads * preset.dim, heads=heads, kv_heads=max(1, heads * preset.kv_heads // preset.heads))
