@@ -8,8 +8,7 @@ for each weight path, served by vLLM's offline engine (one start per family and 
 log-probs over a 256-token prompt and 16 greedy tokens with theirs are compared with the reference: on the
 bf16 weights for bf16, on the checkpoint's own decoded 4-bit weights for the 4-bit paths (what is left is the
 engine's bf16 and int8 arithmetic). The bound adds what bf16 rounding costs the reference itself on the same
-weights (transformers run in bfloat16): 0.01-0.02 nat on most families, 0.15 on the tiny Gemma 3, whose four
-(1 + w) norms a layer double every activation. A reference on the unquantized weights must be further away:
+weights (transformers run in bfloat16): 0.01-0.02 nat on these tiny models. A reference on the unquantized weights must be further away:
 the comparison sees the 4-bit grid.
 
 Engines: run under `flock /tmp/spark_edge_engine.lock` like every engine test.

@@ -10,7 +10,7 @@ time), deterministic from the seed, and config.json carries `spark_edge_syntheti
 
 Weights are drawn so activations keep their scale through the layers (no NaN or overflow in bf16) and a
 small model's logits spread over a few units: every matrix ~N(0, 1/width) (the token table too, so a tied
-head's logits have unit scale), biases ~N(0, 0.02), norms ~1.
+head's logits have unit scale), biases ~N(0, 0.02), norms ~1 (Gemma's 1 + w too: w ~0).
 
 `--tiny` keeps a preset's architecture fields and attention geometry (heads, KV heads, head width) and
 shrinks the rest (hidden ~256, 4 layers or one period of a layer pattern, MLP 512, a 512-token byte-level tokenizer, windows of 64 tokens):
@@ -49,6 +49,7 @@ class Preset:
     qkv_bias: bool = False
     head_dim: int | None = None
     extra: tuple[tuple[str, Any], ...] = ()  # further config.json fields (RoPE, context)
+    norm_offset: float = 0.0  # the model scales by offset + w (Gemma: 1 + w): norms are drawn so the sum is ~1
 
     @property
     def dim(self) -> int:
@@ -79,6 +80,7 @@ PRESETS: dict[str, Preset] = {
                                 ("use_sliding_window", False))),
     # q/k norms, four norms a layer, embedding scaled by sqrt(hidden), 512-token windows in 5 of 6 layers
     "gemma-3-1b": Preset("Gemma3ForCausalLM", "gemma3_text", 1152, 26, 4, 1, 6912, 262144, tied=True, head_dim=256,
+                         norm_offset=1.0,
                          extra=(("hidden_act", "gelu_pytorch_tanh"), ("hidden_activation", "gelu_pytorch_tanh"),
                                 ("query_pre_attn_scalar", 256), ("sliding_window", 512),
                                 ("layer_types", _gemma3_layer_types(26)), ("rope_theta", 1000000.0),
@@ -163,14 +165,14 @@ def _std(spec: TensorSpec) -> float:
     return 1.0 / math.sqrt(spec.shape[-1])
 
 
-def random_rows(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
+def random_rows(spec: TensorSpec, seed: int, norm_offset: float = 0.0) -> Iterator[torch.Tensor]:
     """One tensor as blocks of at most BLOCK_ELEMENTS values, drawn from a generator seeded by (seed, name): the
     same whatever order tensors are made in. The block size is part of the draw (changing it changes the
     weights). One fp32 buffer is drawn into and scaled in place for every block, so the writer's memory is that
     buffer and one bf16 block, whatever the allocator does with freed blocks."""
     g = torch.Generator().manual_seed(_seed_for(seed, spec.name))
     if spec.name.endswith("norm.weight"):
-        yield (1 + 0.1 * torch.randn(spec.shape, generator=g)).to(spec.dtype)
+        yield (1 - norm_offset + 0.1 * torch.randn(spec.shape, generator=g)).to(spec.dtype)
         return
     width = spec.shape[-1]
     total = math.prod(spec.shape[:-1])
@@ -188,9 +190,9 @@ def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.cat(list(random_rows(spec, seed))).view(spec.shape)
 
 
-def _tensors(specs: list[TensorSpec], seed: int) -> Iterator[tuple[str, RowChunks]]:
+def _tensors(specs: list[TensorSpec], seed: int, norm_offset: float = 0.0) -> Iterator[tuple[str, RowChunks]]:
     for spec in specs:
-        yield spec.name, RowChunks(spec.dtype, spec.shape, random_rows(spec, seed))
+        yield spec.name, RowChunks(spec.dtype, spec.shape, random_rows(spec, seed, norm_offset))
 
 
 def write_synthetic(name: str, out: Path, seed: int = 0, small: bool = False) -> Path:
@@ -213,7 +215,7 @@ def write_synthetic(name: str, out: Path, seed: int = 0, small: bool = False) ->
     del default
     config = hf_config(name, preset, seed, source_config.get("bos_token_id", 1), source_config.get("eos_token_id", 2))
     specs = tensor_specs(preset)
-    write_safetensors(out, specs, _tensors(specs, seed), max_shard_bytes=2 << 30)
+    write_safetensors(out, specs, _tensors(specs, seed, preset.norm_offset), max_shard_bytes=2 << 30)
     save_tokenizer(out)
     return _write_config(out, config)
 
@@ -226,7 +228,7 @@ def _write_tiny(name: str, out: Path, seed: int) -> Path:
     config = hf_config(f"{name} (tiny)", preset, seed, ids["bos"], ids["eos"])
     config["pad_token_id"] = ids["pad"]
     specs = tensor_specs(preset)
-    write_safetensors(out, specs, _tensors(specs, seed))
+    write_safetensors(out, specs, _tensors(specs, seed, preset.norm_offset))
     return _write_config(out, config)
 
 
