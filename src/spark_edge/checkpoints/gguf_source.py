@@ -33,24 +33,29 @@ GEMMA3_SWA_PERIOD = 6  # llama.cpp's gemma3 has five sliding-window layers, then
 GEMMA3_SWA_THETA = 10000.0  # and RoPE base 10000 on the sliding layers (neither)
 
 
-def _gemma3_fields(meta: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+# An architecture's own config fields: (required metadata, optional metadata, layers, head width) -> fields;
+# the readers take a key without the "ARCH." prefix, the required one raises naming the missing key
+_Fields = Callable[[Callable[[str], Any], Callable[[str], Any], int, int], dict[str, Any]]
+
+
+def _gemma3_fields(need: Callable[[str], Any], get: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
     """What llama.cpp's gemma3 reads from the file or fixes in its code, in Hugging Face's Gemma 3 fields."""
     period = GEMMA3_SWA_PERIOD
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": head_dim,  # llama.cpp scales scores by 1/sqrt(key_length) below 27B
-        "sliding_window": int(meta("attention.sliding_window")),
+        "sliding_window": int(need("attention.sliding_window")),
         "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
         "rope_local_base_freq": GEMMA3_SWA_THETA,
-        "final_logit_softcapping": meta("final_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
         "attn_logit_softcapping": None,
     }
 
 
-def _phi3_fields(meta: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
-    fields = {"sliding_window": meta("attention.sliding_window")}
-    original = meta("rope.scaling.original_context_length")
+def _phi3_fields(need: Callable[[str], Any], get: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+    fields = {"sliding_window": get("attention.sliding_window")}
+    original = get("rope.scaling.original_context_length")
     if original:
         fields["original_max_position_embeddings"] = int(original)
     return fields
@@ -62,7 +67,7 @@ class _Family:
     model_type: str
     rope_permuted: bool = False  # llama.cpp reorders Q/K rows of its "llama" architecture only
     norm_shift: float = 0.0  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
-    fields: Callable[[Callable[[str], Any], int, int], dict[str, Any]] | None = None
+    fields: _Fields | None = None
 
 
 # llama.cpp architecture -> what its Hugging Face checkpoint was
@@ -156,10 +161,14 @@ class GGUFSource:
         for t in self._reader.tensors:
             hf = to_hf.get(t.name)
             if hf is None:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} has no Hugging Face {self._family.architecture} equivalent")
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name!r} has no Hugging Face {self._family.architecture} equivalent"
+                )
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             if shape != expected[hf]:
-                raise CheckpointError(f"{self.path}: tensor {t.name} is {list(shape)}; its config implies {list(expected[hf])}")
+                raise CheckpointError(
+                    f"{self.path}: tensor {t.name} is {list(shape)}; its config implies {list(expected[hf])}"
+                )
             mapped[hf] = t
         missing = sorted(set(expected) - set(mapped))
         if missing:
@@ -219,7 +228,8 @@ class GGUFSource:
         if m.get(f"{a}.rope.scaling.type") not in (None, "none"):
             raise CheckpointError(f"{self.path}: RoPE scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported yet")
         if self._family.fields is not None:
-            config.update(self._family.fields(lambda key: m.get(f"{a}.{key}"), config["num_hidden_layers"], head_dim))
+            fields = self._family.fields(need, lambda key: m.get(f"{a}.{key}"), config["num_hidden_layers"], head_dim)
+            config.update(fields)
         return config
 
     def hf_config(self) -> dict[str, Any]:
