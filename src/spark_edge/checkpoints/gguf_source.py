@@ -31,20 +31,23 @@ _MAGIC = b"GGUF"
 
 GEMMA3_SWA_PERIOD = 6  # llama.cpp's gemma3 has five sliding-window layers, then a global one (not in the file)
 GEMMA3_SWA_THETA = 10000.0  # and RoPE base 10000 on the sliding layers (neither)
+GEMMA3_27B_LAYERS = 62  # llama.cpp knows the 27B by its layer count: its scores scale by hidden / heads
 
 
-# An architecture's own config fields: (required metadata, optional metadata, layers, head width) -> fields;
+# An architecture's own config fields: (required metadata, optional metadata, the common config) -> fields;
 # the readers take a key without the "ARCH." prefix, the required one raises naming the missing key
-_Fields = Callable[[Callable[[str], Any], Callable[[str], Any], int, int], dict[str, Any]]
+_Fields = Callable[[Callable[[str], Any], Callable[[str], Any], dict[str, Any]], dict[str, Any]]
 
 
-def _gemma3_fields(need: Callable[[str], Any], get: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+def _gemma3_fields(need: Callable[[str], Any], get: Callable[[str], Any], config: dict[str, Any]) -> dict[str, Any]:
     """What llama.cpp's gemma3 reads from the file or fixes in its code, in Hugging Face's Gemma 3 fields."""
-    period = GEMMA3_SWA_PERIOD
+    period, layers = GEMMA3_SWA_PERIOD, config["num_hidden_layers"]
+    big = layers == GEMMA3_27B_LAYERS
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": head_dim,  # llama.cpp scales scores by 1/sqrt(key_length) below 27B
+        # scores scale by 1/sqrt(key_length), on the 27B by 1/sqrt(hidden / heads)
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
         "sliding_window": int(need("attention.sliding_window")),
         "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
         "rope_local_base_freq": GEMMA3_SWA_THETA,
@@ -53,7 +56,7 @@ def _gemma3_fields(need: Callable[[str], Any], get: Callable[[str], Any], layers
     }
 
 
-def _phi3_fields(need: Callable[[str], Any], get: Callable[[str], Any], layers: int, head_dim: int) -> dict[str, Any]:
+def _phi3_fields(need: Callable[[str], Any], get: Callable[[str], Any], config: dict[str, Any]) -> dict[str, Any]:
     fields = {"sliding_window": get("attention.sliding_window")}
     original = get("rope.scaling.original_context_length")
     if original:
@@ -228,8 +231,7 @@ class GGUFSource:
         if m.get(f"{a}.rope.scaling.type") not in (None, "none"):
             raise CheckpointError(f"{self.path}: RoPE scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported yet")
         if self._family.fields is not None:
-            fields = self._family.fields(need, lambda key: m.get(f"{a}.{key}"), config["num_hidden_layers"], head_dim)
-            config.update(fields)
+            config.update(self._family.fields(need, lambda key: m.get(f"{a}.{key}"), config))
         return config
 
     def hf_config(self) -> dict[str, Any]:
