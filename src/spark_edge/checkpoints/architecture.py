@@ -106,6 +106,12 @@ class _SparkStructure(Structure):
         return super().role(name, shape)
 
 
+def servable_structure(config: dict[str, Any]) -> Structure:
+    """structure(config), for a writer whose checkpoint vLLM must serve with a model of its own."""
+    check_vllm_implements(architecture_of(config))
+    return structure(config)
+
+
 def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor a checkpoint of this (transformers-built) architecture holds, in module order; a tied
     head's copy is left out, as Hugging Face writes it."""

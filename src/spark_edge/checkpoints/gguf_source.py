@@ -94,6 +94,11 @@ _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
+def _hf_shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape in HF/torch order: ggml lists dimensions innermost first."""
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's reordering of Q/K rows (interleaved rotary pairs -> HF halves)."""
     rows = w.shape[0]
@@ -167,7 +172,7 @@ class GGUFSource:
                 raise CheckpointError(
                     f"{self.path}: tensor {t.name!r} has no Hugging Face {self._family.architecture} equivalent"
                 )
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = _hf_shape(t)
             if shape != expected[hf]:
                 raise CheckpointError(
                     f"{self.path}: tensor {t.name} is {list(shape)}; its config implies {list(expected[hf])}"
@@ -239,11 +244,7 @@ class GGUFSource:
 
     # -- tensors ------------------------------------------------------------------------
     def tensor_specs(self) -> list[TensorSpec]:
-        # ggml lists dimensions innermost first; HF/torch outermost first
-        return [
-            TensorSpec(name, torch.float32, tuple(int(d) for d in reversed(t.shape.tolist())))
-            for name, t in self._tensors.items()
-        ]
+        return [TensorSpec(name, torch.float32, _hf_shape(t)) for name, t in self._tensors.items()]
 
     def _transform(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
         if self._family.norm_shift and name.endswith("norm.weight"):
@@ -265,7 +266,7 @@ class GGUFSource:
             array = dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = _hf_shape(t)
         array = np.asarray(array, dtype=np.float32).reshape(shape)
         transform = self._transform(name)
         if transform is not None:
@@ -294,7 +295,7 @@ class GGUFSource:
     def gguf_tensor_info(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """HF name -> (GGUF name, HF-order shape), for checks against the GGUF metadata."""
         return {
-            name: (t.name, tuple(int(d) for d in reversed(t.shape.tolist()))) for name, t in self._tensors.items()
+            name: (t.name, _hf_shape(t)) for name, t in self._tensors.items()
         }
 
 

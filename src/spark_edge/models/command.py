@@ -50,7 +50,8 @@ SYNTH_PRESETS = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to create (absent or empty).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tiny", is_flag=True, help="Keep the architecture and attention geometry, shrink the rest "
-              "(hidden 256, 4 layers, vocabulary 512): for checks against a reference implementation.")
+              "(hidden ~256, 4 layers or one period of a layer pattern, vocabulary 512): for checks against a "
+              "reference implementation.")
 def synth(like: str, out: Path, seed: int, tiny: bool) -> None:
     """A Hugging Face checkpoint with a real model's geometry and random weights (the default model's
     tokenizer), written tensor by tensor: for `plan`, `bench` and `serve` on a box before the weights exist.

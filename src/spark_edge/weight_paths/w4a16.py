@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, check_vllm_implements, structure
+from spark_edge.checkpoints.architecture import Role, Structure, servable_structure
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
@@ -92,9 +92,7 @@ def _check_quantizable(item: _Item, group_size: int, tables: tuple[str, str]) ->
 
 
 def _plan(source: CheckpointSource, opts: _Options) -> list[_Item]:
-    config = source.hf_config()
-    check_vllm_implements(architecture_of(config))
-    arch: Structure = structure(config)
+    arch: Structure = servable_structure(source.hf_config())
     items = [_Item(s.name, tuple(s.shape), _action(arch.role(s.name, tuple(s.shape)), opts))
              for s in source.tensor_specs()]
     for item in items:

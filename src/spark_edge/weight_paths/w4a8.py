@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
-from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, check_vllm_implements, structure
+from spark_edge.checkpoints.architecture import Role, Structure, servable_structure
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
@@ -186,8 +186,7 @@ class _Plan:
 
 def _plan(source: CheckpointSource, opts: _Options) -> _Plan:
     config = source.hf_config()
-    check_vllm_implements(architecture_of(config))
-    arch = structure(config)
+    arch = servable_structure(config)
     specs = source.tensor_specs()
     names = {s.name for s in specs}
     if arch.embedding not in names:
