@@ -74,19 +74,23 @@ def test_w4a16_quantizes_every_decoder_linear_of_the_family(family: str, sources
 @pytest.mark.parametrize("family", FAMILIES)
 def test_w4a8_writes_each_family_in_the_layout_vllm_gptq_loads(family: str, sources: dict[str, Path],
                                                                tmp_path: Path) -> None:
-    """GPTQ packs K on dim 0, so fused tensors are split into vLLM's per-projection names, and the head is
-    a 4-bit tensor of its own beside the bf16 table (vLLM's GPTQ method has no quantized embedding)."""
+    """Tensors carry the names vLLM's model for the family loads: per-projection names where it loads q/k/v and
+    gate/up apart (GPTQ packs K on dim 0, so fused tensors are split for them), Phi-3's fused qkv_proj and
+    gate_up_proj as they are (vLLM's Phi-3 loads only those); the head is a 4-bit tensor of its own beside the
+    bf16 table (vLLM's GPTQ method has no quantized embedding)."""
     from safetensors import safe_open
 
     out = _build(sources[family], "w4a8", tmp_path / "w4a8")
     with safe_open(out / "model.safetensors", framework="pt") as f:
         names = set(f.keys())
-    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    fused = family == "phi-3-mini"
+    projections = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj") if fused else (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")
     layers = json.loads((sources[family] / "config.json").read_text())["num_hidden_layers"]
     expected = {f"model.layers.{i}.{p}.qweight" for i in range(layers) for p in projections}
     assert {n for n in names if n.endswith(".qweight")} == expected | {"lm_head.qweight"}
-    assert "model.embed_tokens.weight" in names and not any(".qkv_proj." in n or ".gate_up_proj." in n for n in names)
+    assert "model.embed_tokens.weight" in names
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 

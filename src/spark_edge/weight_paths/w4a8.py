@@ -11,9 +11,13 @@ tree says (spark_edge.checkpoints.architecture), and the output head.  Spark's h
 (g_proj) stays bf16: the model holds it as a plain parameter.  The head matters most: it is the largest matrix read per decode step,
 and a bf16 head alone costs more per step than all the 4-bit savings.  A tied source is
 therefore untied: the bf16 table stays for token lookup (vLLM's GPTQ method has no
-quantized embedding) and a 4-bit `lm_head` is written beside it.  Fused `qkv_proj` /
-`gate_up_proj` (and Spark's `q_k_v_proj`) source tensors are split into q/k/v and gate/up
-tensors: GPTQ puts N on dim 1 (and packs K), so a loader could not split them by rows.  Norms stay bf16.  Streaming: one source tensor is loaded at a time.
+quantized embedding) and a 4-bit `lm_head` is written beside it.  A fused `qkv_proj` /
+`gate_up_proj` source tensor (and Spark's `q_k_v_proj`) is written as vLLM's model for the
+architecture names it: split into q/k/v and gate/up tensors where that model loads the parts
+(Spark: GPTQ puts N on dim 1 and packs K, so its loader could not split them by rows), kept
+fused where it loads the fused tensor itself (Phi-3: its packed-module map names `qkv_proj` and
+`gate_up_proj` alone, and a split checkpoint does not load).  Norms stay bf16.  Streaming: one
+source tensor is loaded at a time.
 
 Params:
   group_size  K elements per scale, one of 32/64/128 (what vLLM's GPTQ method accepts);
@@ -29,6 +33,7 @@ Also writes quantization_report.json (per-tensor SNR, bits per weight) into the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -38,7 +43,7 @@ from typing import Any, Iterator
 
 import torch
 
-from spark_edge.checkpoints.architecture import Role, Structure, servable_structure
+from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, servable_structure
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
@@ -96,9 +101,29 @@ def _options(params: dict[str, Any]) -> _Options:
     return _Options(group_size, params.get("search", False))
 
 
+@functools.lru_cache(maxsize=None)
+def vllm_fused_modules(architecture: str) -> frozenset[str]:
+    """The fused modules ("qkv_proj", "gate_up_proj") that vLLM's model for `architecture` loads from a tensor
+    of that very name (its packed-module map lists the fused name alone), rather than from its parts."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from spark_edge.models import register_models
+
+    register_models()
+    model = ModelRegistry._try_load_model_cls(architecture)
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return frozenset(fused for fused, parts in packed.items() if list(parts) == [fused])
+
+
 def _fused_parts(name: str, config: dict[str, Any]) -> list[tuple[str, int]] | None:
-    """(unfused name, rows) of a fused qkv / gate_up tensor; None if `name` is not fused."""
+    """(unfused name, rows) of a fused qkv / gate_up tensor vLLM loads by its parts; None if `name` is not
+    fused, or vLLM's model for the architecture loads it fused."""
+    kept = vllm_fused_modules(architecture_of(config))
     fused = next((f for f in FUSED_QKV if f in name), None)
+    if fused is not None and "qkv_proj" in kept and fused == QKV:
+        return None
+    if GATE_UP in name and "gate_up_proj" in kept:
+        return None
     if fused is not None:
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
