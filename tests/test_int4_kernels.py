@@ -120,11 +120,20 @@ def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
 
 def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
     policy = cpu_int4_op.host_policy()
+    amx = cpu_int4_op.host_has_bf16_gemm() and cpu_int4_op.amx_tiles_available()
     tiles = cpu_int4_op.host_has_bf16_gemm() and not cpu_int4_op.host_has_amx_bf16() and \
         cpu_int4_op.bf16_tiles_available()
     if ni.native_gemm_vectorized():
-        assert policy.q8_max_rows == cpu_int4_op.q8_max_rows() and policy.bf16_tiles == tiles
-        if tiles:  # AVX512-BF16 without AMX (Zen 4, Cooper Lake): the tiles from 5 rows on
+        assert policy.q8_max_rows == min(cpu_int4_op.q8_max_rows(), cpu_int4_op.AMX_MIN_ROWS - 1 if amx else 16)
+        assert policy.tiles == cpu_int4_op.TILES["amx" if amx else "tiles" if tiles else "none"]
+        if amx:  # AMX usable by this process (Sapphire Rapids and later): AMX tiles above the int8 kernel's rows
+            assert policy.native_max_rows == cpu_int4_op.AMX_MIN_ROWS - 1
+            assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (12, 13, 512)] == ["q8", "amx", "amx"]
+            assert cpu_int4_op.kernel_for(512, 128, 272) == "tiles"  # K not a multiple of AMX's 32-step rows
+            monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
+            assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"
+            monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
+        elif tiles:  # AVX512-BF16 without AMX (Zen 4, Cooper Lake): the tiles from 8 rows on
             assert policy.native_max_rows == cpu_int4_op.TILES_MIN_ROWS - 1
             assert [cpu_int4_op.kernel_for(m, 80, 256) for m in (4, 7, 8, 512)] == ["native", "native", "tiles", "tiles"]
             assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (policy.q8_max_rows, 512)] == ["q8", "tiles"]
@@ -144,17 +153,19 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
     bf16_host = cpu_int4_op.KernelPolicy(0, 16, 8)  # a bf16 host without the tiles, int8 kernel off
     monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: bf16_host)
     assert [cpu_int4_op.kernel_for(m) for m in (1, 16, 17, 512)] == ["native", "native", "dequant", "dequant"]
-    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 7, 8, True))
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 7, 8, 1))
     assert [cpu_int4_op.kernel_for(m) for m in (7, 8, 512)] == ["native", "tiles", "tiles"]
+    monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 16, 8, 2))
+    assert [cpu_int4_op.kernel_for(m) for m in (16, 17, 512)] == ["native", "amx", "amx"]
     monkeypatch.setattr(cpu_int4_op, "host_policy", lambda: cpu_int4_op.KernelPolicy(0, 0, 8))  # no vector path
     assert [cpu_int4_op.kernel_for(m) for m in (1, 8, 9)] == ["tinygemm", "tinygemm", "dequant"]
 
 
-@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0), (0, 4, 8, True)],
-                         ids=["native", "bf16-host", "tinygemm", "dequant", "tiles"])
+@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0), (0, 4, 8, 1), (0, 4, 8, 2)],
+                         ids=["native", "bf16-host", "tinygemm", "dequant", "tiles", "amx"])
 def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple) -> None:
     if len(policy) > 3:
-        _tiles_or_skip(ops)
+        _tiles_or_skip(ops, "amx" if policy[3] == cpu_int4_op.TILES["amx"] else "tiles")
     layout = tl.detect_layout()
     n, k, g = 576, 256, 32
     codes, scale, zero, exact = _case(n, k, g)
@@ -172,43 +183,75 @@ def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple) 
         _configure_host()
 
 
-def _tiles_or_skip(ops: object) -> None:
+# The tile GEMMs (bf16_tiles.h): (whether this build and process have it, the kernel, why it may be missing)
+TILE_GEMMS = {
+    "tiles": ("int4_bf16_tiles_supported", "int4_gemm_bf16", "it needs AVX512-BF16 and ATen's AVX-512 layout"),
+    "amx": ("int4_amx_tiles_supported", "int4_gemm_amx",
+            "it needs AMX-BF16, ATen's AVX-512 layout and the kernel's permission to use AMX tiles"),
+}
+
+
+def _tiles_or_skip(ops: object, name: str) -> object:
+    """The tile GEMM `name` of TILE_GEMMS, or a skip saying why this host has none."""
+    supported, gemm, why = TILE_GEMMS[name]
     layout = tl.detect_layout()
-    if not ops.int4_bf16_tiles_supported(layout.block, layout.halves):
-        pytest.skip("no bf16-tile GEMM in this build (it needs AVX512-BF16 and ATen's AVX-512 layout)")
+    if not getattr(ops, supported)(layout.block, layout.halves):
+        pytest.skip(f"no {gemm} in this build or process ({why})")
+    return getattr(ops, gemm)
 
 
+@pytest.mark.parametrize("tiles", sorted(TILE_GEMMS))
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n,k", SHAPES + ((128, 1536), (80, 1088)))  # + K over several 512-step tiles, one ragged
-def test_gemm_bf16_tiles_match_float64(ops: object, n: int, k: int, g: int) -> None:
-    """The tile kernel's weights are the bf16 dequantization (int4_dequant_t's values, bit for bit the weights
+def test_gemm_tiles_match_float64(ops: object, n: int, k: int, g: int, tiles: str) -> None:
+    """A tile kernel's weights are the bf16 dequantization (int4_dequant_t's values, bit for bit the weights
     dequant + oneDNN multiplies), so against those in float64 the bound is the fp32-accumulation one of
-    gemm_within_tolerance; against the exact weights it is bf16's rounding of a weight, 2^-9 relative."""
-    _tiles_or_skip(ops)
+    gemm_within_tolerance; against the exact weights it is bf16's rounding of a weight, 2^-9 relative. The rows
+    take every AMX configuration: one A tile (<= 16 rows), two (17-32), 32-row chunks and a ragged last one."""
+    gemm = _tiles_or_skip(ops, tiles)
     if k % g:
         pytest.skip("K is not a multiple of this group size")
     codes, scale, zero, exact = _case(n, k, g)
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
     weight_bf16 = ops.int4_dequant_t(buf, sz, g).t().float()
-    for m in ROWS:
+    for m in ROWS + (33, 47):
         x = torch.randn(m, k).to(BF16)
-        got = ops.int4_gemm_bf16(x, buf, sz, g)
+        got = gemm(x, buf, sz, g)
         assert got.shape == (m, n) and ni.gemm_within_tolerance(got, x, weight_bf16), (m, n, k, g)
         full = x.double() @ exact.double().t()
         assert (got.double() - full).norm() <= 2.0**-8 * full.norm(), (m, n, k, g)
 
 
-def test_gemm_bf16_tiles_integer_products_are_exact(ops: object) -> None:
+@pytest.mark.parametrize("tiles", sorted(TILE_GEMMS))
+def test_gemm_tiles_integer_products_are_exact(ops: object, tiles: str) -> None:
     """Scale 1, zero 8 (weights = codes - 8 + 8, exact in bf16) and small integer activations: every product
     and partial sum is an integer below 2^24, so the result is the exact dot product up to its bf16 rounding."""
-    _tiles_or_skip(ops)
+    gemm = _tiles_or_skip(ops, tiles)
     n, k, g = 208, 1280, 64
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale, zero = torch.ones(n, k // g, dtype=BF16), torch.full((n, k // g), 8.0, dtype=BF16)
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
-    for m in (1, 6, 7, 40):
+    for m in (1, 6, 7, 17, 40):
         x = torch.randint(-4, 5, (m, k)).to(BF16)
-        assert torch.equal(ops.int4_gemm_bf16(x, buf, sz, g), (x.double() @ codes.double().t()).to(BF16)), m
+        assert torch.equal(gemm(x, buf, sz, g), (x.double() @ codes.double().t()).to(BF16)), m
+
+
+def test_gemm_amx_leaves_the_tile_state_to_the_next_amx_kernel(ops: object) -> None:
+    """AMX tile state is per thread: the AMX GEMM loads its configuration and releases the tiles on every thread
+    it ran on, so oneDNN's AMX bf16 GEMM (torch.mm on this host) and the AMX GEMM interleaved over many calls,
+    with row counts that take different tile configurations (one A tile, two, a ragged chunk), keep their
+    results: the first call's, bit for bit."""
+    gemm = _tiles_or_skip(ops, "amx")
+    n, k, g = 192, 512, 32
+    codes, scale, zero, _ = _case(n, k, g)
+    buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
+    weight_t = ops.int4_dequant_t(buf, sz, g)
+    xs = [torch.randn(m, k).to(BF16) for m in (17, 5, 40, 64)]
+    want = [(gemm(x, buf, sz, g), torch.mm(x, weight_t)) for x in xs]
+    for _ in range(25):
+        for x, (ours, onednn) in zip(xs, want):
+            assert torch.equal(gemm(x, buf, sz, g), ours)
+            assert torch.equal(torch.mm(x, weight_t), onednn)
 
 
 Q8_SHAPES = ((64, 64), (128, 256), (192, 384), (576, 576))
@@ -325,7 +368,8 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
         "uint8": (x, buf.to(torch.int32), sz, g),
     }
     layout = tl.detect_layout()
-    tiles = (ops.int4_gemm_bf16,) if ops.int4_bf16_tiles_supported(layout.block, layout.halves) else ()
+    tiles = tuple(getattr(ops, gemm) for supported, gemm, _ in TILE_GEMMS.values()
+                  if getattr(ops, supported)(layout.block, layout.halves))
     for message, args in cases.items():
         for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8, *tiles):
             with pytest.raises(RuntimeError, match=message):
@@ -358,10 +402,17 @@ def test_kernel_bench_times_every_kernel_on_a_correct_product(ops: object) -> No
         x = torch.randn(m, k).to(BF16)
         reference = x.double() @ weight.t()
         assert (wna16(x).double() - reference).norm() <= 0.01 * reference.norm(), m
+    w4a8 = kernels.vllm_w4a8(codes, scale, zero_points, g)  # vLLM's AMX W4A8 kernel: AMX hosts only
+    assert (w4a8 is not None) == (has_wna16 and torch.cpu._is_amx_tile_supported())
+    for m in (1, 3, 17) if w4a8 is not None else ():  # int8 activations: ~1% of the result's norm
+        x = torch.randn(m, k).to(BF16)
+        reference = x.double() @ weight.t()
+        assert (w4a8(x).double() - reference).norm() <= 0.03 * reference.norm(), m
     results = kernels.measure([("o_proj", 64, 64)], 32, rows=(1, 64))
     assert [r["rows"] for r in results] == [1, 64]
     assert {"native_ms", "dequant_mm_ms", "bf16_mm_ms"} <= set(results[1])
-    assert ("vllm_wna16_ms" in results[1]) == has_wna16
+    assert ("vllm_wna16_ms" in results[1]) == has_wna16 and ("vllm_w4a8_ms" in results[1]) == (w4a8 is not None)
+    assert ("amx_ms" in results[1]) == cpu_int4_op.amx_tiles_available()
     assert "tinygemm_rows_ms" in results[0] and "tinygemm_rows_ms" not in results[1]
     table = kernels.format_markdown(results, "tiny", 32)
     if ops.int4_q8_supported(64, 64, 32, tl.detect_layout().block, tl.detect_layout().halves):

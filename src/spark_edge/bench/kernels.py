@@ -3,15 +3,16 @@
 For each linear shape of the model (N x K, the 4-bit tied head included) and each row count, the
 time of one call of: spark-edge's native GEMM (fp32 activations), its int8-activation GEMM (decode row
 counts, where the build and shape have it) in both forms of its inner product (vpmaddubsw pairs;
-four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), its bf16-tile
-GEMM (vdpbf16ps on tiles of the weight dequantized into cache, where the build has AVX512-BF16), PyTorch's
-tinygemm one row at a time (the previous decode path), the weight dequantized to bf16 + oneDNN (the
-previous prefill path), vLLM's own 4-bit CPU
-GEMM `cpu_gemm_wna16` (its GPTQ/AWQ W4A16 kernel, weights repacked as vLLM's CPUWNA16LinearKernel does;
-integer zero points where ours are bf16, the same bytes per weight), and bf16's own GEMM on the same
-weight (what the bf16 weight path runs). Kernels are interleaved round by round and the
-best round kept, so a noisy neighbour slows them alike. Writes a markdown table naming the host
-(docs/int4-kernels.md is this table, regenerated with `spark-edge bench --kernels --kernels-out ...`).
+four-byte quads, vpdpbusd with AVX512-VNNI and an exact two-instruction stand-in without), its tile GEMMs
+on tiles of the weight dequantized into cache (vdpbf16ps where the build has AVX512-BF16, AMX tiles where
+the process may use them), PyTorch's tinygemm one row at a time (the previous decode path), the weight
+dequantized to bf16 + oneDNN (the previous prefill path), vLLM's own 4-bit CPU GEMM `cpu_gemm_wna16` (its
+GPTQ/AWQ W4A16 kernel, weights repacked as vLLM's CPUWNA16LinearKernel does; integer zero points where ours
+are bf16, the same bytes per weight), vLLM's AMX W4A8 kernel `int4_scaled_mm_cpu` (what the w4a8 weight path
+runs, on AMX hosts), and bf16's own GEMM on the same weight (what the bf16 weight path runs). Kernels are
+interleaved round by round and the best round kept, so a noisy neighbour slows them alike. Writes a markdown
+table naming the host (docs/int4-kernels.md is this table, regenerated with `spark-edge bench --kernels
+--kernels-out ...`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,31 @@ def vllm_wna16(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tens
                                              pack_factor=8, isa_hint=isa)
 
 
+def vllm_w4a8(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
+              group: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> the product through vLLM's AMX W4A8 kernel `int4_scaled_mm_cpu` (activations quantized to int8 per
+    row inside it: what the w4a8 weight path runs), with the weights repacked as vLLM's CPUWNA16LinearKernel
+    repacks them for it (AWQ nibble order along N, then `convert_weight_packed_scale_zp`'s AMX blocks). The same
+    arguments as vllm_wna16. None where the host has no AMX, vLLM's ops lack the kernel, or N or K is not a
+    multiple of 32."""
+    n, k = codes.shape
+    if n % 32 or k % 32 or not torch.cpu._is_amx_tile_supported() or not vllm_wna16_available() \
+            or not hasattr(torch.ops._C, "int4_scaled_mm_cpu"):
+        return None
+    from vllm import _custom_ops as vllm_ops
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
+    from vllm.scalar_type import scalar_types
+
+    def awq_packed(values: torch.Tensor) -> torch.Tensor:  # [rows, N] codes -> [rows, N / 8] in AWQ's order
+        rows = values.shape[0]
+        order = values.to(torch.int32).view(rows, n // 8, 8)[:, :, (0, 2, 4, 6, 1, 3, 5, 7)].reshape(rows, n)
+        return pack_quantized_values_into_int32(order, scalar_types.uint4, 1).contiguous()
+
+    weight, zeros, scales = vllm_ops.convert_weight_packed_scale_zp(
+        awq_packed(codes.t()), awq_packed(zero_points.t()), scale.t().contiguous(), vllm_ops.CPUQuantAlgo.AWQ)
+    return lambda x: vllm_ops.int4_scaled_mm_cpu(x=x, w=weight, w_zeros=zeros, w_scales=scales, bias=None)
+
+
 def _time(fn: Callable[[], object], budget_s: float) -> float:
     fn()  # warm: first-touch, thread pool
     calls, start = 0, time.perf_counter()
@@ -99,9 +125,10 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
         sz = tl.scales_and_zeros((torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
                                  (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16))
         weight_t = ops.int4_dequant_t(buf, sz, group)
-        wna16 = vllm_wna16(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
-                           (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
-                           torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen), group)
+        vllm_weights = (torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+                        (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+                        torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen), group)
+        wna16, w4a8 = vllm_wna16(*vllm_weights), vllm_w4a8(*vllm_weights)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             kernels = {
@@ -113,8 +140,12 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
             }
             if wna16 is not None:
                 kernels["vllm_wna16"] = lambda: wna16(x)
+            if w4a8 is not None:
+                kernels["vllm_w4a8"] = lambda: w4a8(x)
             if cpu_int4_op.bf16_tiles_available() and m >= cpu_int4_op.TILES_MIN_ROWS:
                 kernels["tiles"] = lambda: ops.int4_gemm_bf16(x, buf, sz, group)
+            if cpu_int4_op.amx_tiles_available() and m >= cpu_int4_op.TILES_MIN_ROWS and k % 32 == 0:
+                kernels["amx"] = lambda: ops.int4_gemm_amx(x, buf, sz, group)
             if m > TINYGEMM_MAX_ROWS:  # never run row by row at prefill sizes (seconds per call on the head)
                 del kernels["tinygemm_rows"]
             layout = tl.detect_layout()
@@ -136,26 +167,29 @@ def host_line() -> str:
     return f"{device_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+# The table's columns in order (key in the results: key + "_ms"); a column no row has is left out (bf16 tiles
+# where the build has no AVX512-BF16, AMX tiles and vLLM's W4A8 without AMX).
+COLUMNS = (("native", "native"), ("q8_pairs", "q8 pairs"), ("q8_quads", "q8 quads"), ("tiles", "bf16 tiles"),
+           ("amx", "AMX tiles"), ("tinygemm_rows", "tinygemm rows"), ("dequant_mm", "dequant + mm"),
+           ("vllm_wna16", "vLLM wna16"), ("vllm_w4a8", "vLLM w4a8"), ("bf16_mm", "bf16 mm"))
+OTHERS = ("tinygemm_rows", "dequant_mm", "vllm_wna16", "vllm_w4a8", "bf16_mm")  # not spark-edge's kernels
+
+
 def format_markdown(results: list[dict], model: str, group: int) -> str:
     from spark_edge.quant import native_int4 as ni
 
     default = {code: form for form, code in ni.Q8_FORMS.items()}.get(torch.ops.spark_edge.int4_q8_default_form())
+    columns = [(key, title) for key, title in COLUMNS if any(f"{key}_ms" in r for r in results)]
     lines = [f"Model: {model}, group {group}. Host: {host_line()}. int4_linear's q8 form here: {default}.", "",
-             "| layer | N x K | rows | native ms | q8 pairs ms | q8 quads ms | bf16 tiles ms | tinygemm rows ms | "
-             "dequant + mm ms | vLLM wna16 ms | bf16 mm ms | spark-edge's best vs best other |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def cell(r: dict, key: str) -> str:
-        return f"{r[key]:.3f}" if key in r else "-"
-
+             "| layer | N x K | rows | " + " | ".join(f"{title} ms" for _, title in columns)
+             + " | spark-edge's best vs best other |",
+             "|---|---|---:|" + "---:|" * (len(columns) + 1)]
     for r in results:
-        others = [r[key] for key in ("tinygemm_rows_ms", "dequant_mm_ms", "vllm_wna16_ms", "bf16_mm_ms") if key in r]
-        ours = min(r[key] for key in ("native_ms", "q8_pairs_ms", "q8_quads_ms", "tiles_ms") if key in r)
-        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['native_ms']:.3f} | "
-                     f"{cell(r, 'q8_pairs_ms')} | {cell(r, 'q8_quads_ms')} | {cell(r, 'tiles_ms')} | "
-                     f"{cell(r, 'tinygemm_rows_ms')} | {r['dequant_mm_ms']:.3f} | {cell(r, 'vllm_wna16_ms')} | "
-                     f"{r['bf16_mm_ms']:.3f} | "
-                     f"{min(others) / ours:.2f}x |")
+        others = [r[f"{key}_ms"] for key in OTHERS if f"{key}_ms" in r]
+        ours = min(r[f"{key}_ms"] for key, _ in COLUMNS if key not in OTHERS and f"{key}_ms" in r)
+        cells = [f"{r[f'{key}_ms']:.3f}" if f"{key}_ms" in r else "-" for key, _ in columns]
+        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | " + " | ".join(cells)
+                     + f" | {min(others) / ours:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -8,18 +8,27 @@ and the branch runs at call time.  The embedding lookup is opaque for the same r
 
 The GEMM is `torch.ops.spark_edge.int4_linear`, a C++ op (native_int4.py) that chooses per call,
 by activation rows M and this host's policy (`host_policy`, set once per process):
+- "q8", spark-edge's int8-activation GEMM, for decode rows (up to Q8_MAX_ROWS, Q8_MAX_ROWS_VNNI with
+  vpdpbusd quads, AMX_MIN_ROWS - 1 where the AMX tiles take over): integer dot products against the
+  4-bit codes, as llama.cpp does.
 - "native", spark-edge's own int4 GEMM: every weight read from memory once per call whatever
   M, so batched decode of several streams costs little more than one (its vector paths serve
   the buffer layouts of ATen's AVX-512 and AVX2 kernels).  It serves up to TILES_MIN_ROWS - 1 rows
-  where the bf16-tile GEMM serves, up to NATIVE_MAX_ROWS_BF16_HOST (16) on other hosts with bf16 GEMM
-  hardware (AMX, arm64 BF16), and every M elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused
-  kernel measured 2-2.5x faster at 512 rows on AVX-512 (docs/int4-kernels.md), and ~40x on AVX2,
-  where torch's bf16 mm has no vectorized path.
+  where the bf16-tile GEMM serves, AMX_MIN_ROWS - 1 where the AMX one does, up to
+  NATIVE_MAX_ROWS_BF16_HOST (16) on other hosts with bf16 GEMM hardware (arm64 BF16), and every M
+  elsewhere: there oneDNN's bf16 GEMM converts to fp32 itself and the fused kernel measured 2-2.5x
+  faster at 512 rows on AVX-512 (docs/int4-kernels.md), and ~40x on AVX2, where torch's bf16 mm has
+  no vectorized path.
+- "amx", spark-edge's AMX tile GEMM (AMX-BF16 builds on ATen's AVX-512 layout, where the process may
+  use AMX tiles), from AMX_MIN_ROWS: panels of bf16 tiles of the weight (up to 4 x 64 channels x 512 K)
+  dequantized into L2 and every row of the call run over them with tdpbf16ps, so prefill never writes a
+  whole bf16 matrix: 2.5x the dequant + oneDNN path it replaces at 512 rows, on par with oneDNN's
+  bf16 GEMM on a bf16 weight (docs/int4-kernels.md). Each thread releases its tiles after the call.
 - "tiles", spark-edge's bf16-tile GEMM (AVX512-BF16 builds on ATen's AVX-512 layout), above
-  TILES_MIN_ROWS: one tile of the weight (64 channels x 512 K) dequantized to bf16 into L2 at a time and
-  every row of the call run over it with vdpbf16ps, so prefill never writes a whole bf16 matrix; it
-  replaces "dequant" there and the fp32 native GEMM from 8 rows (docs/int4-kernels.md). AMX hosts keep
-  oneDNN's AMX bf16 GEMM for prefill (tiles there run on AVX512-BF16 and have not been measured against it).
+  TILES_MIN_ROWS on hosts without usable AMX: one tile of the weight (64 channels x 512 K) dequantized
+  to bf16 into L2 at a time and every row of the call run over it with vdpbf16ps; it replaces "dequant"
+  there and the fp32 native GEMM from 8 rows (docs/int4-kernels.md). Where the AMX policy meets a K
+  that is not a multiple of 32, it serves instead of the AMX GEMM.
 - "tinygemm", PyTorch's `_weight_int4pack_mm_for_cpu`, up to ROW_LOOP_MAX_ROWS (8) rows where the
   native GEMM has no vector path, one row per call and never several: on AMX hosts, tinygemm on
   a multi-row batch followed by vLLM's CPU attention in the same forward has been seen to die
@@ -63,6 +72,11 @@ Q8_MAX_ROWS_VNNI = 16  # with vpdpbusd quads (AVX512-VNNI) the int8 kernel stays
 Q8_SWITCH = "SPARK_EDGE_INT4_Q8"
 # SPARK_EDGE_INT4_TILES=0: prefill on dequantization + oneDNN instead of the bf16-tile GEMM (`w4a16+dequant`)
 TILES_SWITCH = "SPARK_EDGE_INT4_TILES"
+# int4_configure's `tiles`: the tile GEMM that serves above the native GEMM's rows (int4_kernels.h)
+TILES = {"none": 0, "tiles": 1, "amx": 2}
+AMX_MIN_ROWS = 13  # where the AMX tile GEMM serves, from here on: its cost is the weight's dequantization into
+# tiles, flat up to 32 rows, while the int8 kernel's grows with the rows (Xeon AMX host, 1.7B and default-model
+# shapes: the int8 kernel 0.92x the tiles' time at 12 rows, 1.19x at 16, 1.59x at 24)
 TILES_MIN_ROWS = 8  # where the bf16-tile GEMM serves, from here on (below, the fp32 native GEMM: ~1.3x faster
 # at 5 rows, even at 8, behind from 16 on the 1.7B shapes of an AMD EPYC Zen 4)
 
@@ -92,19 +106,25 @@ def _weight_bf16(
 
 class KernelPolicy(NamedTuple):
     """What int4_linear runs for M rows: the int8-activation GEMM up to q8_max_rows (where the shape allows),
-    the native GEMM up to native_max_rows (-1: every M, 0: never), then the bf16-tile GEMM if bf16_tiles,
-    else tinygemm one row at a time up to row_loop_max_rows and dequantization + oneDNN above."""
+    the native GEMM up to native_max_rows (-1: every M, 0: never), then the tile GEMM named by `tiles`
+    (TILES), else tinygemm one row at a time up to row_loop_max_rows and dequantization + oneDNN above."""
 
     q8_max_rows: int
     native_max_rows: int
     row_loop_max_rows: int
-    bf16_tiles: bool = False
+    tiles: int = 0
 
 
 def bf16_tiles_available() -> bool:
-    """Whether this build has the bf16-tile GEMM for this host's buffer layout."""
+    """Whether this build has the bf16-tile GEMM (vdpbf16ps) for this host's buffer layout."""
     layout = detect_layout()
     return load_native_ops() and bool(torch.ops.spark_edge.int4_bf16_tiles_supported(layout.block, layout.halves))
+
+
+def amx_tiles_available() -> bool:
+    """Whether this build has the AMX tile GEMM for this host's buffer layout and the process may use AMX."""
+    layout = detect_layout()
+    return load_native_ops() and bool(torch.ops.spark_edge.int4_amx_tiles_supported(layout.block, layout.halves))
 
 
 def q8_max_rows() -> int:
@@ -121,14 +141,17 @@ def host_policy() -> KernelPolicy:
     q8_max = q8_max_rows() if os.environ.get(Q8_SWITCH, "1") != "0" else 0
     if not host_has_bf16_gemm():  # oneDNN's bf16 GEMM converts to fp32 itself: the fp32 native GEMM wins
         return KernelPolicy(q8_max, -1, ROW_LOOP_MAX_ROWS)
-    if os.environ.get(TILES_SWITCH, "1") != "0" and not host_has_amx_bf16() and bf16_tiles_available():
-        return KernelPolicy(q8_max, TILES_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, True)
+    if os.environ.get(TILES_SWITCH, "1") != "0":
+        if amx_tiles_available():
+            return KernelPolicy(min(q8_max, AMX_MIN_ROWS - 1), AMX_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["amx"])
+        if not host_has_amx_bf16() and bf16_tiles_available():
+            return KernelPolicy(q8_max, TILES_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["tiles"])
     return KernelPolicy(q8_max, NATIVE_MAX_ROWS_BF16_HOST, ROW_LOOP_MAX_ROWS)
 
 
 def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
-    """"q8", "native", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M activation
-    rows of an N x K weight."""
+    """"q8", "native", "amx", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M
+    activation rows of an N x K weight."""
     q8_max, native_max, row_loop_max, tiles = host_policy()
     if m <= q8_max:
         layout = detect_layout()
@@ -136,7 +159,9 @@ def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
             return "q8"
     if native_max < 0 or m <= native_max:
         return "native"
-    if tiles:
+    if tiles == TILES["amx"] and k % 32 == 0:
+        return "amx"
+    if tiles:  # the AMX policy takes the vdpbf16ps tiles where K does not fit AMX's 32-step rows
         return "tiles"
     return "tinygemm" if m <= row_loop_max else "dequant"
 

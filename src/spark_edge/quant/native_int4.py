@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
 SOURCES = tuple(NATIVE_DIR / name for name in (
     "int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_gemm_q8_avx2.cpp", "int4_gemm_bf16.cpp",
-    "int4_dequant.cpp"))
-HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "int4_kernels.h", "int4_q8_common.h"))
+    "int4_gemm_amx.cpp", "int4_dequant.cpp"))
+HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "bf16_tiles.h", "int4_kernels.h", "int4_q8_common.h"))
 LIBRARY_NAME = "spark_edge_int4.so"
 # int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
 Q8_FORMS = {"pairs": 1, "quads": 2}
@@ -150,6 +150,10 @@ def _register_fakes() -> None:
     def _gemm_bf16_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("spark_edge::int4_gemm_amx")
+    def _gemm_amx_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
     @torch.library.register_fake("spark_edge::int4_dequant_t")
     def _dequant_fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return scales_zeros.new_empty((weight.shape[1] * 2, weight.shape[0]))
@@ -221,9 +225,11 @@ def _self_check() -> None:
     if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, weight):
         raise _Unavailable("the compiled int4 GEMM disagrees with the float64 reference")
     layout = detect_layout()
-    if ops.int4_bf16_tiles_supported(layout.block, layout.halves):  # its weights are the bf16 dequantization
-        if not gemm_within_tolerance(ops.int4_gemm_bf16(x, buf, sz, group), x, want.float()):
-            raise _Unavailable("the compiled bf16-tile int4 GEMM disagrees with the float64 reference")
+    tile_gemms = {"bf16-tile": (ops.int4_bf16_tiles_supported, ops.int4_gemm_bf16),
+                  "AMX tile": (ops.int4_amx_tiles_supported, ops.int4_gemm_amx)}
+    for name, (supported, gemm) in tile_gemms.items():  # their weights are the bf16 dequantization
+        if supported(layout.block, layout.halves) and not gemm_within_tolerance(gemm(x, buf, sz, group), x, want.float()):
+            raise _Unavailable(f"the compiled {name} int4 GEMM disagrees with the float64 reference")
     if ops.int4_q8_supported(64, k, group, layout.block, layout.halves):  # full blocks only
         x5, codes = x[:5], kernel_codes(buf)[:64]
         reference = gemm_q8_reference(x5, codes, scale[:64], zero[:64], group)

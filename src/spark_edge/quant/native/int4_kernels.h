@@ -24,6 +24,18 @@ bool int4_gemm_bf16_supported(int64_t block, int64_t halves);
 bool int4_gemm_bf16(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
                     int64_t k, int64_t group);
 
+/* Whether int4_gemm_amx exists for this layout in this build and this process may use AMX tiles (asked of the
+ * kernel once): ATen's AVX-512 layout where the compiler targets AMX-BF16. */
+bool int4_gemm_amx_supported(int64_t block, int64_t halves);
+
+/* The same product as int4_gemm_bf16 on AMX tiles (int4_gemm_amx.cpp); false if the build or the process has no
+ * AMX, K is not a multiple of 32, or a tile could not be allocated. */
+bool int4_gemm_amx(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+                   int64_t k, int64_t group);
+
+/* Which tile GEMM int4_linear runs above the native GEMM's rows (the host policy's `tiles`). */
+enum { TILES_NONE = 0, TILES_VDP = 1, TILES_AMX = 2 };
+
 /* Whether int4_gemm_q8 serves this shape and layout in this build: ATen's AVX-512 layout (64-channel halves
  * blocks) with AVX512BW, its AVX2 layout (32-channel halves blocks) with AVX2. */
 bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves);

@@ -5,8 +5,9 @@
  *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode,
  *            in the layout's form (vpdpbusd quads with AVX512-VNNI, vpmaddubsw pairs without and on AVX2);
  *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
- *   tiles    bf16 tiles of the weight and vdpbf16ps (int4_gemm_bf16.cpp), on AVX512-BF16 builds, for the rows
- *            above native's (prefill): never a whole bf16 matrix;
+ *   tiles    bf16 tiles of the weight (bf16_tiles.h) for the rows above native's (prefill), never a whole bf16
+ *            matrix: vdpbf16ps register blocks (int4_gemm_bf16.cpp, AVX512-BF16 builds) or AMX tiles
+ *            (int4_gemm_amx.cpp, where the process may use them);
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
  * The fake (meta) implementation is registered from Python (native_int4.py).
@@ -33,7 +34,7 @@ struct Policy {
     int64_t q8_max_rows = 0;  // int8-activation GEMM up to this many rows, where the shape allows (0: never)
     int64_t native_max_rows = 0;  // then the native GEMM up to this many rows (-1: every M; 0: never)
     int64_t row_loop_max_rows = 0;  // then tinygemm one row at a time up to this many; dequant + mm above
-    bool bf16_tiles = false;  // above native's rows, int4_gemm_bf16 where the build has it (before the row loop)
+    int64_t tiles = TILES_NONE;  // above native's rows, a tile GEMM where the build has it (before the row loop)
 };
 
 std::atomic<Policy *> policy{nullptr};
@@ -66,11 +67,13 @@ const Policy &configured() {
 }  // namespace
 
 void int4_configure(int64_t block, bool halves, int64_t q8_max_rows, int64_t native_max_rows,
-                    int64_t row_loop_max_rows, bool bf16_tiles) {
+                    int64_t row_loop_max_rows, int64_t tiles) {
+    TORCH_CHECK(tiles == TILES_NONE || tiles == TILES_VDP || tiles == TILES_AMX, "int4_configure: tiles must be 0 "
+                "(none), 1 (vdpbf16ps) or 2 (AMX), got ", tiles);
     TORCH_CHECK(block > 0 && block % 16 == 0, "int4_configure: block must be a positive multiple of 16");
     // set once per process, before the first call; a later call replaces it (the old one is kept alive:
     // a concurrent caller may still read it)
-    policy.store(new Policy{block, halves, q8_max_rows, native_max_rows, row_loop_max_rows, bf16_tiles});
+    policy.store(new Policy{block, halves, q8_max_rows, native_max_rows, row_loop_max_rows, tiles});
 }
 
 bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool halves) {
@@ -80,6 +83,8 @@ bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool 
 bool int4_native_vectorized(int64_t block, bool halves) { return int4_gemm_vectorized(block, halves); }
 
 bool int4_bf16_tiles_supported(int64_t block, bool halves) { return int4_gemm_bf16_supported(block, halves); }
+
+bool int4_amx_tiles_supported(int64_t block, bool halves) { return int4_gemm_amx_supported(block, halves); }
 
 int64_t int4_q8_default_form() { return int4_gemm_q8_default_form(configured().block); }
 
@@ -131,6 +136,22 @@ at::Tensor int4_gemm_bf16_op(const at::Tensor &x_in, const at::Tensor &weight, c
     return out;
 }
 
+at::Tensor int4_gemm_amx_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = &configured();
+    check_buffers(x_in, weight, sz, group);
+    TORCH_CHECK(int4_gemm_amx_supported(p->block, p->halves), "int4_gemm_amx: no AMX tile kernel for ", p->block,
+                "-channel blocks in this build and process (it needs AMX-BF16, ATen's AVX-512 layout and the "
+                "kernel's permission to use AMX tiles)");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+    at::Tensor out = at::empty({m, n}, x.options());
+    TORCH_CHECK(int4_gemm_amx(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
+                              n, k, group),
+                "int4_gemm_amx: K=", k, " must be a multiple of 32, N=", n, " and group ", group, " even, and a 64 KiB "
+                "tile per thread must be allocatable");
+    return out;
+}
+
 at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
     const int64_t n = weight.size(0), k = weight.size(1) * 2;
@@ -149,7 +170,10 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     if (m <= p->q8_max_rows && int4_gemm_q8_supported(weight.size(0), x.size(1), group, p->block, p->halves))
         return int4_gemm_q8_op(x, weight, sz, group, Q8_AUTO);
     if (p->native_max_rows < 0 || m <= p->native_max_rows) return int4_gemm_op(x, weight, sz, group);
-    if (p->bf16_tiles && int4_gemm_bf16_supported(p->block, p->halves)) return int4_gemm_bf16_op(x, weight, sz, group);
+    if (p->tiles == TILES_AMX && x.size(1) % 32 == 0 && int4_gemm_amx_supported(p->block, p->halves))
+        return int4_gemm_amx_op(x, weight, sz, group);
+    if (p->tiles != TILES_NONE && int4_gemm_bf16_supported(p->block, p->halves))
+        return int4_gemm_bf16_op(x, weight, sz, group);
     if (m <= p->row_loop_max_rows) {
         std::vector<at::Tensor> rows;
         rows.reserve(m);
@@ -162,10 +186,12 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
 
 TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_configure(int block, bool halves, int q8_max_rows, int native_max_rows, int row_loop_max_rows, "
-          "bool bf16_tiles=False) -> ()");
+          "int tiles=0) -> ()");
     m.def("int4_native_vectorized(int block, bool halves) -> bool");
     m.def("int4_bf16_tiles_supported(int block, bool halves) -> bool");
     m.def("int4_gemm_bf16(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_amx_tiles_supported(int block, bool halves) -> bool");
+    m.def("int4_gemm_amx(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_q8_supported(int n, int k, int group_size, int block, bool halves) -> bool");
     m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_q8_default_form() -> int");  // for the configured layout
@@ -179,6 +205,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
     m.impl("int4_gemm", &int4_gemm_op);
     m.impl("int4_gemm_q8", &int4_gemm_q8_op);
     m.impl("int4_gemm_bf16", &int4_gemm_bf16_op);
+    m.impl("int4_gemm_amx", &int4_gemm_amx_op);
     m.impl("int4_dequant_t", &int4_dequant_t_op);
     m.impl("int4_linear", &int4_linear);
 }
@@ -187,6 +214,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_configure", &int4_configure);
     m.impl("int4_native_vectorized", &int4_native_vectorized);
     m.impl("int4_bf16_tiles_supported", &int4_bf16_tiles_supported);
+    m.impl("int4_amx_tiles_supported", &int4_amx_tiles_supported);
     m.impl("int4_q8_supported", &int4_q8_supported);
     m.impl("int4_q8_default_form", &int4_q8_default_form);
     m.impl("int4_q8_form_supported", &int4_q8_form_supported);
