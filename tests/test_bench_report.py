@@ -28,6 +28,8 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) ->
     results = {"bf16": [_arm("bf16", 16.0, 128.0, 15.0)], "w4a16": [_arm("w4a16", 22.0, 250.0, 19.0)],
                "w4a8": [failed], "llama.cpp": [peer]}
     summary = summarize(results, "bf16", peer="llama.cpp")
+    summary["arms"]["bf16"].update(perplexity=10.0)  # fidelity as summarize() writes it for scored arms
+    summary["arms"]["bf16"].update(perplexity_ratio=1.0, top1_agreement=1.0)
     summary.update(model="default", host="Intel(R) Xeon(R) Processor @ 2.00GHz, 2 usable cores, features: avx2")
     summary["offline"] = {"w4a16": {"tg128_tps": 33.0, "pp512_tps": 280.0, "profile_top_ops": [
         {"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}]},
@@ -36,8 +38,9 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) ->
     write_json(summary, path)
     text = render([path])
     assert "## default on Intel(R) Xeon(R) Processor @ 2.00GHz" in text
-    assert "| w4a16 | 22.0 | 250 | 19.0 | 17.1 / 68.4 / 136.8 | 200 / 320 | 600 | 500 | 12.5 | 0.55x |" in text
+    assert "| w4a16 | 22.0 | 250 | 19.0 | 17.1 / 68.4 / 136.8 | 200 / 320 | 600 | 500 | 12.5 | 0.55x | - | - |" in text
     assert "| w4a8 | failed |" in text
+    assert "| 12.5 | 0.40x | x1.000 | 1.000 |" in text  # bf16: 16 tok/s against the peer's 40, its own fidelity
     assert "| Q4_K_M | 150.0 ± 2.0 | 42.0 ± 1.0 |" in text
     assert "spark_edge::int4_linear 11.50" in text and "failed: ValueError: no KV cache" in text
     assert "one pass: a smoke run" in text

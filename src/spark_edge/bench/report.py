@@ -21,11 +21,17 @@ run (arms interleaved); figures from different sections are from different hosts
 ratios. tg128 and pp512 follow llama-bench's semantics through the server's API (decode = 128-token minus
 1-token completion; prefill = 512-token prompt), `streamed` is what a streaming client sees, aggregate is
 generated tokens per second over N concurrent streams, TTFT is time to first token at that concurrency.
+Fidelity is against the run's baseline arm on the same text: its perplexity ratio and teacher-forced top-1
+agreement.
 """
 
 
 def _cell(value: float | None, fmt: str = ".1f") -> str:
     return "-" if value is None else f"{value:{fmt}}"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"x{ratio:.3f}"
 
 
 def _best(arm: dict, metric: str) -> float | None:
@@ -43,11 +49,12 @@ def _level(streamed: dict, n: int) -> dict:
 
 def arm_rows(summary: dict) -> list[str]:
     rows = ["| arm | tg128 tok/s | pp512 tok/s | streamed tg128 | aggregate 1 / 4 / 8 streams tok/s | "
-            "TTFT p50 / p95 at 4 streams ms | load peak MiB | settled MiB | ready s | tg128 vs peer |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "TTFT p50 / p95 at 4 streams ms | load peak MiB | settled MiB | ready s | tg128 vs peer | "
+            "perplexity vs baseline | top-1 agreement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
-            rows.append(f"| {tag} | failed | | | | | | | | |")
+            rows.append(f"| {tag} | failed | | | | | | | | | | |")
             continue
         s = _streamed(arm)
         levels = " / ".join(_cell(_level(s, n).get("aggregate_tps")) for n in (1, 4, 8))
@@ -58,7 +65,8 @@ def arm_rows(summary: dict) -> list[str]:
                     f"{_cell(s.get('tg128_tps'))} | {levels} | {ttft} | "
                     f"{_cell((_best(arm, 'load_peak_bytes') or 0) / MiB, '.0f')} | "
                     f"{_cell((_best(arm, 'settled_bytes') or 0) / MiB, '.0f')} | {_cell(_best(arm, 'ready_s'))} | "
-                    f"{'-' if vs_peer is None else f'{vs_peer:.2f}x'} |")
+                    f"{'-' if vs_peer is None else f'{vs_peer:.2f}x'} | "
+                    f"{_times(arm.get('perplexity_ratio'))} | {_cell(arm.get('top1_agreement'), '.3f')} |")
     return rows
 
 
