@@ -43,6 +43,10 @@
 #define Q8_DEFAULT Q8_PAIRS
 #endif
 #define QROWS 4 /* activation rows per pass over a block's weights (registers: 4 int16 accumulators a row) */
+/* K quads (128 bytes of a block's weights each) prefetched ahead of use: decode streams the weights from DRAM, and
+ * asking 2 KiB ahead kept the memory busier than the hardware prefetcher alone (Xeon AMX host, 2 threads, 1 GiB of
+ * 1.7B-shaped weights a token: 1 row 65.6 -> 54.0 ms, 4 rows 82.5 -> 64.0; 4, 8 and 32 quads within 4% of 16) */
+#define PREFETCH_QUADS 16
 
 namespace spark_edge {
 
@@ -205,6 +209,8 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
         for (int r = 0; r < ROWS_; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
         for (int64_t j = b * (Q8_BLOCK / 4); j < (b + 1) * (Q8_BLOCK / 4); j++) {
+            _mm_prefetch((const char *)(wb + (j + PREFETCH_QUADS) * 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + (j + PREFETCH_QUADS) * 128 + 64), _MM_HINT_T0);
             __m512i w[4];
             Form::weights(_mm512_loadu_si512(wb + j * 128), _mm512_loadu_si512(wb + j * 128 + 64), low4, w);
             for (int r = 0; r < ROWS_; r++) {
