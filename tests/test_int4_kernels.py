@@ -128,7 +128,7 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
         assert policy.tiles == cpu_int4_op.TILES["amx" if amx else "tiles" if tiles else "none"]
         if amx:  # AMX usable by this process (Sapphire Rapids and later): AMX tiles above the int8 kernel's rows
             assert policy.native_max_rows == cpu_int4_op.AMX_MIN_ROWS - 1
-            assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (12, 13, 512)] == ["q8", "amx", "amx"]
+            assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (16, 17, 512)] == ["q8", "amx", "amx"]
             assert cpu_int4_op.kernel_for(512, 128, 272) == "tiles"  # K not a multiple of AMX's 32-step rows
             monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
             assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"

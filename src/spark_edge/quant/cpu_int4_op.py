@@ -74,9 +74,10 @@ Q8_SWITCH = "SPARK_EDGE_INT4_Q8"
 TILES_SWITCH = "SPARK_EDGE_INT4_TILES"
 # int4_configure's `tiles`: the tile GEMM that serves above the native GEMM's rows (int4_kernels.h)
 TILES = {"none": 0, "tiles": 1, "amx": 2}
-AMX_MIN_ROWS = 13  # where the AMX tile GEMM serves, from here on: its cost is the weight's dequantization into
-# tiles, flat up to 32 rows, while the int8 kernel's grows with the rows (Xeon AMX host, 1.7B and default-model
-# shapes: the int8 kernel 0.92x the tiles' time at 12 rows, 1.19x at 16, 1.59x at 24)
+AMX_MIN_ROWS = 17  # where the AMX tile GEMM serves, from here on: its cost is the weight's dequantization into
+# tiles, nearly flat in the rows, while the int8 kernel's grows with them. Xeon AMX host, 2 threads: with the weights
+# in cache (default-model and 1.7B layer shapes) they cross at 12-13 rows; streamed from DRAM (a 1.7B-shaped 1 GiB
+# set, what decode of the mission's models meets) at ~20 (16 rows: int8 146 ms, tiles 173; 24: 200 against 167)
 TILES_MIN_ROWS = 8  # where the bf16-tile GEMM serves, from here on (below, the fp32 native GEMM: ~1.3x faster
 # at 5 rows, even at 8, behind from 16 on the 1.7B shapes of an AMD EPYC Zen 4)
 
