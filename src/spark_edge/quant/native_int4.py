@@ -2,13 +2,15 @@
 
 - `int4_linear(x, weight, scales_zeros, group)`: the cpu_int4 GEMM, whose kernel is chosen in C++ per call
   by the activation rows and the host policy set once per process (`int4_configure`, see cpu_int4_op.py):
-  spark-edge's own `int4_gemm` (native/int4_gemm.cpp: each 4-bit weight read from memory once per call
-  whatever M), ATen's tinygemm one row at a time, or the whole weight dequantized and ATen's mm.
+  the int8-activation GEMM, spark-edge's own `int4_gemm` (native/int4_gemm.cpp: each 4-bit weight read from
+  memory once per call whatever M), a tile GEMM, ATen's tinygemm one row at a time, or the whole weight
+  dequantized and ATen's mm.
 - `int4_gemm`, `int4_gemm_q8` (native/int4_gemm_q8.cpp: int8 activations per 32-K block against the 4-bit
   codes, integer dot products, for decode; `form` picks vpmaddubsw pairs or 4-byte quads, vpdpbusd with
   AVX512-VNNI and an exact stand-in without, so both forms are checked on every AVX512BW host; AVX2's layout
-  has the pairs form, native/int4_gemm_q8_avx2.cpp), `int4_dequant_t` (native/int4_dequant.cpp: bf16 W^T
-  [K, N] in one pass): the kernels alone.
+  has the pairs form, native/int4_gemm_q8_avx2.cpp), the tile GEMMs over bf16 tiles of the weight in cache
+  (native/bf16_tiles.h: `int4_gemm_bf16` with vdpbf16ps, `int4_gemm_amx` with AMX tiles), `int4_dequant_t`
+  (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
