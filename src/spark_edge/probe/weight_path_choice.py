@@ -1,7 +1,11 @@
 """Which weight path a host should serve, and why.
 
 - x86-64 with AMX int8 usable: w4a8 (vLLM's AMX kernel, int8 activations) for speed;
-  w4a16 for fidelity, which keeps bf16 activations at some decode speed.
+  w4a16 for fidelity, which keeps bf16 activations at some decode speed. Measured side by side on a
+  Xeon AMX host (docs/benchmarks.md): on a 1.7B shape w4a8 decodes 1.16x and serves 4 streams 1.18x
+  w4a16, which prefills 1.18x w4a8; on the default model w4a16 decodes 1.12x w4a8 and w4a8 serves 4
+  streams 1.21x; w4a8's perplexity is x1.571 bf16's there against w4a16's x1.061. Decode of the
+  mission's 1-2 B models decides the speed default.
 - x86-64 with AVX-512 or AVX2: w4a16.
 - arm64 with NEON: w4a16, unverified: no spark-edge path has run on real ARM hardware yet.
 - An explicit weight path wins, unless the host cannot run it.
@@ -52,7 +56,8 @@ def _x86_choice(profile: DeviceProfile, priority: str) -> WeightPathChoice:
         if priority == "speed":
             return WeightPathChoice(
                 "w4a8", "AMX int8 tiles are usable: vLLM's AMX kernel multiplies 4-bit weights with int8 "
-                "activations, the fastest path on this CPU", verified=True, notes=_bf16_notes(profile))
+                "activations, the fastest decode on this CPU for 1-2 B models (w4a16 prefills faster and keeps "
+                "closer to bf16: --priority fidelity)", verified=True, notes=_bf16_notes(profile))
         return WeightPathChoice(
             "w4a16", "fidelity priority: bf16 activations instead of int8 (w4a8 would decode faster on "
             "this AMX CPU)", verified=True, notes=_bf16_notes(profile))
