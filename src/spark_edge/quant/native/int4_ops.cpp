@@ -121,35 +121,36 @@ at::Tensor int4_gemm_q8_op(const at::Tensor &x_in, const at::Tensor &weight, con
     return out;
 }
 
-at::Tensor int4_gemm_bf16_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+/* A tile GEMM of bf16_tiles.h as an op: this build and process must have it for the configured layout, and it
+ * refuses (false) shapes it does not take or tiles it cannot allocate; `needs` and `takes` say what, for errors. */
+at::Tensor tile_gemm_op(const char *name, bool (*supported)(int64_t, int64_t),
+                        bool (*gemm)(const uint16_t *, int64_t, const uint8_t *, const uint16_t *, uint16_t *, int64_t,
+                                     int64_t, int64_t),
+                        const char *needs, const char *takes, const at::Tensor &x_in, const at::Tensor &weight,
+                        const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
     check_buffers(x_in, weight, sz, group);
-    TORCH_CHECK(int4_gemm_bf16_supported(p->block, p->halves), "int4_gemm_bf16: no bf16-tile kernel for ",
-                p->block, "-channel blocks in this build (it needs AVX512-BF16 and ATen's AVX-512 layout)");
+    TORCH_CHECK(supported(p->block, p->halves), name, ": no such kernel for ", p->block, "-channel blocks in this "
+                "build and process (it needs ", needs, ")");
     const at::Tensor x = x_in.contiguous();
     const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
     at::Tensor out = at::empty({m, n}, x.options());
-    TORCH_CHECK(int4_gemm_bf16(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
-                               n, k, group),
-                "int4_gemm_bf16: N=", n, ", K=", k, ", group ", group, " must be even, and a 64 KiB tile per thread "
-                "must be allocatable");
+    TORCH_CHECK(gemm(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()), n, k,
+                     group),
+                name, ": N=", n, ", K=", k, ", group ", group, ": ", takes, ", and its tiles per thread must be "
+                "allocatable");
     return out;
 }
 
-at::Tensor int4_gemm_amx_op(const at::Tensor &x_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
-    const Policy *p = &configured();
-    check_buffers(x_in, weight, sz, group);
-    TORCH_CHECK(int4_gemm_amx_supported(p->block, p->halves), "int4_gemm_amx: no AMX tile kernel for ", p->block,
-                "-channel blocks in this build and process (it needs AMX-BF16, ATen's AVX-512 layout and the "
-                "kernel's permission to use AMX tiles)");
-    const at::Tensor x = x_in.contiguous();
-    const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-    at::Tensor out = at::empty({m, n}, x.options());
-    TORCH_CHECK(int4_gemm_amx(u16(x), m, weight.data_ptr<uint8_t>(), u16(sz), reinterpret_cast<uint16_t *>(out.data_ptr()),
-                              n, k, group),
-                "int4_gemm_amx: K=", k, " must be a multiple of 32, N=", n, " and group ", group, " even, and a 64 KiB "
-                "tile per thread must be allocatable");
-    return out;
+at::Tensor int4_gemm_bf16_op(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    return tile_gemm_op("int4_gemm_bf16", int4_gemm_bf16_supported, int4_gemm_bf16,
+                        "AVX512-BF16 and ATen's AVX-512 layout", "N, K and the group must be even", x, weight, sz, group);
+}
+
+at::Tensor int4_gemm_amx_op(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    return tile_gemm_op("int4_gemm_amx", int4_gemm_amx_supported, int4_gemm_amx,
+                        "AMX-BF16, ATen's AVX-512 layout and the kernel's permission to use AMX tiles",
+                        "K must be a multiple of 32, N and the group even", x, weight, sz, group);
 }
 
 at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
