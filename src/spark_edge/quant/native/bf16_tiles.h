@@ -1,19 +1,18 @@
 /* The bf16 tile of a 4-bit weight that spark-edge's tile GEMMs run over, and the loop that walks a call's tiles.
  *
- * A tile is one 64-channel block of ATen's AVX-512 buffer layout (or the tail block) times the micro-kernel's
- * K steps (Rows::tile_k: 512 steps, 64 KiB, for vdpbf16ps), dequantized into a per-thread buffer that stays in L2, in the layout bf16 dot-product hardware reads:
- * per K pair (k, k + 1) and channel c one 32-bit lane holding bf16 W[c][k] (low half) and W[c][k + 1] (high
- * half). One zmm of a tile row is 16 channels of a pair (what vdpbf16ps takes), and 16 tile rows of 16 channels
- * are an AMX B tile (what tdpbf16ps takes). Each weight is the project's one definition in bf16
- * (dequantize_code: (q - 8) * scale + zero in fp32, rounded once), so the tile GEMMs multiply exactly the
- * weights dequant + oneDNN multiplies; only the order of the fp32 sums differs.
+ * A tile is one 64-channel block of ATen's AVX-512 buffer layout (or the tail block) times the micro-kernel's K
+ * steps (Rows::tile_k: 512 steps, 64 KiB, for vdpbf16ps), dequantized into a per-thread buffer that stays in L2, in
+ * the layout bf16 dot-product hardware reads: per K pair (k, k + 1) and channel c one 32-bit lane holding bf16
+ * W[c][k] (low half) and W[c][k + 1] (high half). One zmm of a tile row is 16 channels of a pair (what vdpbf16ps
+ * takes), and 16 tile rows of 16 channels are an AMX B tile (what tdpbf16ps takes). Each weight is the project's
+ * one definition in bf16 (dequantize_code: (q - 8) * scale + zero in fp32, rounded once), so the tile GEMMs
+ * multiply exactly the weights dequant + oneDNN multiplies; only the order of the fp32 sums differs.
  *
- * run_tiles<Rows> is the shared loop: the work is the panels (of one or more blocks) x M rows grid flattened
- * panel by panel, each thread of torch's OpenMP pool a contiguous range of it (9 panels on 2 threads split
- * 4.5 / 4.5, the middle panel by rows), so a thread dequantizes each of its tiles once and runs every one of its
- * rows over it. `Rows` is the
- * micro-kernel (int4_gemm_bf16.cpp: vdpbf16ps register blocks; int4_gemm_amx.cpp: AMX tiles), one object per
- * thread, so a kernel may hold per-thread state (the AMX tile configuration) for the whole call.
+ * run_tiles<Rows> is the shared loop: the work is the panels (of one or more blocks) x M rows grid flattened panel
+ * by panel, each thread of torch's OpenMP pool a contiguous range of it (9 panels on 2 threads split 4.5 / 4.5, the
+ * middle panel by rows), so a thread dequantizes each of its tiles once and runs every one of its rows over it.
+ * `Rows` is the micro-kernel (int4_gemm_bf16.cpp: vdpbf16ps register blocks; int4_gemm_amx.cpp: AMX tiles), one
+ * object per thread, so a kernel may hold per-thread state (the AMX tile configuration) for the whole call.
  */
 #pragma once
 #ifdef __AVX512BF16__
