@@ -120,20 +120,34 @@ def test_a_peer_that_cannot_be_built_leaves_the_spark_edge_arms_measured(monkeyp
         ran.append(list(arms))
         return {tag: [_result(tag, 20.0, 200.0)] for tag in arms}
 
-    class Built:
-        out = tmp_path / "ckpt"
-
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"vocab_size": 100}')
     monkeypatch.setattr(bench_command, "_peer_arm", no_peer)
     monkeypatch.setattr("spark_edge.bench.runner.run_passes", fake_passes)
-    monkeypatch.setattr("spark_edge.checkpoints.builder.build_checkpoint", lambda *a, **k: Built)
+    monkeypatch.setattr(bench_command, "arm_checkpoint", lambda *a, **k: tmp_path / "ckpt")
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, ["bench", "--peer", "llama.cpp", "--no-fidelity", "--out", str(out)])
     assert result.exit_code == exit_codes.PEER, result.output
     assert ran == [["bf16", "w4a16"]]
     assert out.is_file() and "cmake not found" in out.read_text()
     assert "error: llama.cpp peer: cmake not found" in result.output
+
+
+def test_a_folder_that_build_made_serves_its_own_weight_path_only(bf16_checkpoint: Path) -> None:
+    """bench --model takes a built folder as serve does (as it is, for the weight path it was built for); another
+    arm, or the peer's bf16 conversion of a 4-bit build, is a usage error before anything is measured."""
+    assert bench_command.arm_checkpoint(bf16_checkpoint, "bf16", log=lambda _: None) == bf16_checkpoint
+    result = CliRunner().invoke(main, ["bench", "--model", str(bf16_checkpoint), "--paths", "bf16,w4a16"])
+    assert result.exit_code == exit_codes.USAGE
+    assert "is a bf16 build: it serves the bf16 arm only, not w4a16" in result.output
+
+
+def test_a_missing_model_is_one_line_and_exit_code_3(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["bench", "--model", str(tmp_path / "absent.gguf"), "--out",
+                                       str(tmp_path / "bench.json")])
+    assert result.exit_code == exit_codes.CHECKPOINT
+    assert f"spark-edge: error: {tmp_path / 'absent.gguf'}: no such file\n" in result.output
+    assert "Traceback" not in result.output
 
 
 def _result(tag: str, tg: float, pp: float, served_tg: float | None = None) -> ArmResult:

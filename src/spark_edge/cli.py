@@ -10,10 +10,14 @@ import click
 from spark_edge import __version__, exit_codes
 from spark_edge import weight_paths
 from spark_edge.checkpoints.errors import CheckpointError
-from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, PlanRefused
+from spark_edge.probe.errors import UnsupportedHostError
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
+# Refusals before anything loads, whichever subcommand meets them: one line on stderr and the README's exit code
+REFUSALS = {CheckpointError: exit_codes.CHECKPOINT, UnsupportedHostError: exit_codes.UNSUPPORTED_HOST,
+            PlanRefused: exit_codes.MEMORY}
 
 
 def _fail(message: str, code: int) -> None:
@@ -25,7 +29,17 @@ def _log(message: str) -> None:
     click.echo(f"spark-edge: {message}", err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _SparkEdge(click.Group):
+    """The command group: every subcommand's refusals are mapped to their exit codes here, once."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except tuple(REFUSALS) as exc:
+            _fail(str(exc), next(code for kind, code in REFUSALS.items() if isinstance(exc, kind)))
+
+
+@click.group(cls=_SparkEdge, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="spark-edge")
 def main() -> None:
     """Serve small LLMs on CPUs with vLLM."""
@@ -54,11 +68,7 @@ def build(weight_path: str, model: Path | None, out: Path | None, group_size: in
 
     params = build_params(weight_path, group_size, search, keep_embedding)
     target = out or checkpoint_dir(model_id(model), weight_path)
-    try:
-        result = build_checkpoint(model, weight_path, target, params, log=_log)
-    except CheckpointError as exc:
-        _fail(str(exc), exit_codes.CHECKPOINT)
-    click.echo(str(result.out))
+    click.echo(str(build_checkpoint(model, weight_path, target, params, log=_log).out))
 
 
 def build_params(weight_path: str, group_size: int | None, search: bool | None, keep_embedding: bool) -> dict:
@@ -119,18 +129,9 @@ def _serve_options(f):
 
 
 def _run_server(serve_mode: bool, **kwargs) -> None:
-    from spark_edge.planning.memory_plan import PlanRefused
-    from spark_edge.probe.errors import UnsupportedHostError
     from spark_edge.serving.serve import ServeRequest, run
 
-    try:
-        run(ServeRequest(**kwargs), log=_log, serve=serve_mode)
-    except CheckpointError as exc:
-        _fail(str(exc), exit_codes.CHECKPOINT)
-    except UnsupportedHostError as exc:
-        _fail(str(exc), exit_codes.UNSUPPORTED_HOST)
-    except PlanRefused as exc:
-        _fail(str(exc), exit_codes.MEMORY)
+    run(ServeRequest(**kwargs), log=_log, serve=serve_mode)
 
 
 @main.command()

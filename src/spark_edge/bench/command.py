@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import click
 
@@ -55,6 +56,27 @@ def _log(message: str) -> None:
     click.echo(f"bench: {message}", err=True)
 
 
+def run_log_dir(home: Path) -> Path:
+    """A new folder for one run's server logs: named by the time, and the process (runs started in the same second
+    each get their own)."""
+    log_dir = home / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    log_dir.mkdir(parents=True)
+    return log_dir
+
+
+def arm_checkpoint(model: Path | None, path: str, log: Callable[[str], None] = _log) -> Path:
+    """The checkpoint an arm of weight path `path` serves, found as `serve` finds it: a folder `spark-edge build`
+    made is served as it is, for the weight path it was built for only; any other source is built once into the
+    data folder."""
+    from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving
+
+    built = built_weight_path(model)
+    if built is not None and built != path:
+        raise click.UsageError(f"{model} is a {built} build: it serves the {built} arm only, not {path} (give bench "
+                               "the source model to compare weight paths)")
+    return checkpoint_for_serving(model, path, log)[0]
+
+
 def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int) -> dict:
     """Each weight path once in vLLM's offline engine, after the served arms (never beside them)."""
     from spark_edge.bench.offline import run_offline
@@ -79,9 +101,6 @@ def _peer_arm(model: Path | None) -> Arm:
     from spark_edge.bench.peer_arms import Peer
     from spark_edge.bench.peer_build import ensure_built, ensure_ggufs
     from spark_edge.bench.runner import Arm
-    from spark_edge.checkpoints.builder import build_checkpoint
-    from spark_edge.checkpoints.sources import model_id
-    from spark_edge.paths import checkpoint_dir
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
     from spark_edge.probe.cpu_features import first_processor_fields
     from spark_edge.probe.device import probe_device
@@ -91,7 +110,12 @@ def _peer_arm(model: Path | None) -> Arm:
     # subset of what vLLM needs (which leaves out avx, bmi2, avx512vbmi)
     flags = first_processor_fields(Path("/proc/cpuinfo").read_text()).get("flags", "").split()
     bin_dir = ensure_built(frozenset(flags) or device.features, platform.machine(), _log)
-    bf16 = build_checkpoint(model, "bf16", checkpoint_dir(model_id(model), "bf16"), log=_log).out
+    from spark_edge.serving.checkpoint import built_weight_path
+
+    if built_weight_path(model) not in (None, "bf16"):
+        raise click.UsageError(f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "
+                               f"{built_weight_path(model)} build: give bench the source model")
+    bf16 = arm_checkpoint(model, "bf16")
     ggufs = ensure_ggufs(bin_dir, bf16, _log)
     peer = Peer(bin_dir, ggufs, device.cpus.usable_cores, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS)
     return Arm(bf16, json.loads((bf16 / "config.json").read_text())["vocab_size"], peer=peer)
@@ -99,15 +123,12 @@ def _peer_arm(model: Path | None) -> Arm:
 
 def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None:
     from spark_edge.bench.kernels import run_kernel_bench
-    from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
-    from spark_edge.paths import checkpoint_dir
 
     if model is not None and (model / "config.json").is_file():  # the shapes are all it needs
         config = json.loads((model / "config.json").read_text())
     else:
-        ckpt = build_checkpoint(model, "bf16", checkpoint_dir(model_id(model), "bf16"), log=_log).out
-        config = json.loads((ckpt / "config.json").read_text())
+        config = json.loads((arm_checkpoint(model, "bf16") / "config.json").read_text())
     click.echo(run_kernel_bench(config, model_id(model), group_size, out))
 
 
@@ -151,24 +172,21 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
         return
     from spark_edge.bench.fidelity import text_chunks
     from spark_edge.bench.runner import Arm, format_table, run_passes, summarize, write_json
-    from spark_edge.checkpoints.builder import build_checkpoint
-    from spark_edge.checkpoints.sources import model_id
-    from spark_edge.paths import checkpoint_dir, spark_edge_home
+    from spark_edge.paths import spark_edge_home
     from spark_edge.probe.device import host_line
 
     names = list(dict.fromkeys(p.strip() for p in paths.split(",") if p.strip()))
     if not names:
         raise click.UsageError("--paths names no arm")
     specs = {name: parse_arm(name) for name in names}
+    arms = {}
+    for name, (path, serve_args, env) in specs.items():  # a refused model stops here, having touched nothing
+        ckpt = arm_checkpoint(model, path)
+        arms[name] = Arm(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"], serve_args, env)
     home = spark_edge_home() / "bench"
     if not keep_cache:
         shutil.rmtree(home / "arms", ignore_errors=True)  # the first pass of every arm starts cold
-    log_dir = home / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    log_dir.mkdir(parents=True)
-    arms = {}
-    for name, (path, serve_args, env) in specs.items():
-        ckpt = build_checkpoint(model, path, checkpoint_dir(model_id(model), path), log=_log).out
-        arms[name] = Arm(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"], serve_args, env)
+    log_dir = run_log_dir(home)
     windows = text_chunks(arms[names[0]].checkpoint) if fidelity else None
     peer_error = None
     if peer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -84,18 +83,15 @@ def run_load_bench(model: Path | None, paths: str, out: Path, clients: int, dura
 
 def _load_each_arm(model: Path | None, paths: str, load: Callable[[str, str | None], LoadReport],
                    log: Callable[[str], None]) -> dict[str, LoadReport]:
-    from spark_edge.bench.command import parse_arm
-    from spark_edge.checkpoints.builder import build_checkpoint
-    from spark_edge.checkpoints.sources import model_id
-    from spark_edge.paths import checkpoint_dir, spark_edge_home
+    from spark_edge.bench.command import arm_checkpoint, parse_arm, run_log_dir
+    from spark_edge.paths import spark_edge_home
 
     home = spark_edge_home() / "bench"
-    log_dir = home / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    log_dir.mkdir(parents=True)
+    log_dir = run_log_dir(home)
     reports = {}
     for tag in dict.fromkeys(p.strip() for p in paths.split(",") if p.strip()):
         path, serve_args, env = parse_arm(tag)
-        checkpoint = build_checkpoint(model, path, checkpoint_dir(model_id(model), path), log=log).out
+        checkpoint = arm_checkpoint(model, path, log)
         log(f"load: serving {tag} (log: {log_dir / f'{tag}-load.log'})")
         with _served_arm(tag, checkpoint, serve_args, env, home, log_dir / f"{tag}-load.log") as url:
             reports[tag] = load(url, None)

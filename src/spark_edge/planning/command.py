@@ -40,24 +40,15 @@ def quant_group(config: dict, default: int = 32) -> int:
 def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_num_seqs: int,
          memory_limit: int | None, process_layout: str, as_json: bool) -> None:
     """Predict load peak and steady anonymous RSS, and the context that fits."""
-    from spark_edge.checkpoints.errors import CheckpointError
     from spark_edge.planning.calibration import calibrated_baseline
     from spark_edge.planning.memory_plan import PlanRefused, make_plan
     from spark_edge.planning.model_shape import ModelShape
     from spark_edge.probe.device import probe_device
-    from spark_edge.probe.errors import UnsupportedHostError
     from spark_edge.probe.weight_path_choice import select_weight_path
 
-    try:
-        device = probe_device()
-        path = select_weight_path(device, explicit=weight_path).name
-        config = model_config(model)
-    except UnsupportedHostError as exc:
-        click.echo(f"spark-edge: error: {exc}", err=True)
-        sys.exit(exit_codes.UNSUPPORTED_HOST)
-    except CheckpointError as exc:
-        click.echo(f"spark-edge: error: {exc}", err=True)
-        sys.exit(exit_codes.CHECKPOINT)
+    device = probe_device()  # a host or model refused here: the command group's exit codes (cli.REFUSALS)
+    path = select_weight_path(device, explicit=weight_path).name
+    config = model_config(model)
     ceiling = memory_limit or device.memory.ceiling
     shape = ModelShape.from_config(config)
     try:

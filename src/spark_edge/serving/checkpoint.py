@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
+from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
 from spark_edge.checkpoints.sources import model_id
 from spark_edge.paths import checkpoint_dir
 
@@ -25,3 +25,11 @@ def checkpoint_for_serving(model: Path | None, weight_path: str, log: Callable[[
     mid = model_id(model)
     result = build_checkpoint(model, weight_path, checkpoint_dir(mid, weight_path), log=log)
     return result.out, mid
+
+
+def built_weight_path(model: Path | None) -> str | None:
+    """The weight path a folder `spark-edge build` made was built for (its manifest; checked in full when
+    served), or None for anything else."""
+    if model is None or not (Path(model) / MANIFEST_NAME).is_file():
+        return None
+    return str(read_manifest(Path(model))["inputs"]["weight_path"])
