@@ -5,7 +5,7 @@
 # `docker run --read-only`); vLLM writes to its compile cache, so `serve` and `warm` run with
 # $SPARK_EDGE_HOME on a volume or tmpfs, and the baked cache is copied there when that is empty
 # or holds a cache stamped for something else (an older image's, left in a kept volume).
-# With no --model, `serve` and `warm` get the baked checkpoint ($SPARK_EDGE_MODEL).
+# With no --model, `serve` and `warm` read the baked checkpoint from $SPARK_EDGE_MODEL themselves.
 set -eu
 
 log() { echo "spark-edge-entrypoint: $*" >&2; }
@@ -42,15 +42,6 @@ seed_cache() {
 [ "$#" -gt 0 ] || set -- serve
 case "$1" in
 serve|warm)
-    has_model=no
-    for arg in "$@"; do
-        case "$arg" in --model|--model=*) has_model=yes ;; esac
-    done
-    if [ "$has_model" = no ]; then
-        command=$1
-        shift
-        set -- "$command" --model "$SPARK_EDGE_MODEL" "$@"
-    fi
     writable_home
     seed_cache
     ;;

@@ -89,13 +89,15 @@ def single_process_tp_group() -> Iterator[None]:
 
 class Server:
     def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None, wrap: list[str] | None = None):
-        """`wrap`: an argv prefix that execs the server (e.g. `sh -c 'echo $$ > cgroup.procs; exec "$@"' sh`)."""
+                 api_key: str | None = None, wrap: list[str] | None = None, tls_ca: Path | None = None):
+        """`wrap`: an argv prefix that execs the server (e.g. `sh -c 'echo $$ > cgroup.procs; exec "$@"' sh`);
+        `tls_ca`: the server speaks HTTPS (its vLLM options say so), verified against this certificate."""
         self.home = home
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.verify: str | bool = str(tls_ca) if tls_ca else True
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), **(env or {})}
         if api_key:
@@ -106,10 +108,12 @@ class Server:
                                      start_new_session=True)
 
     def get(self, path: str, **kw) -> requests.Response:
-        return requests.get(f"{self.url}{path}", headers=self.headers, timeout=kw.pop("timeout", 30), **kw)
+        return requests.get(f"{self.url}{path}", headers=self.headers, timeout=kw.pop("timeout", 30),
+                            verify=self.verify, **kw)
 
     def post(self, path: str, body: dict, **kw) -> requests.Response:
-        return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=kw.pop("timeout", 300), **kw)
+        return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=kw.pop("timeout", 300),
+                             verify=self.verify, **kw)
 
     def next_token_logprobs(self, prompt: str | list[str], model: str, k: int = PARIS_TOP_K) -> list[dict[str, float]]:
         """The top-k next tokens (decoded text -> log-prob) after each prompt, one generated token."""
@@ -134,7 +138,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if requests.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except requests.ConnectionError:
                 pass
@@ -154,10 +158,10 @@ class Server:
 
 
 def running_server(name: str, args: list[str], home: Path, tmp_path_factory: pytest.TempPathFactory,
-                   env: dict[str, str] | None = None) -> Iterator[Server]:
+                   env: dict[str, str] | None = None, tls_ca: Path | None = None) -> Iterator[Server]:
     """A fixture body: `spark-edge serve ARGS` with the session's API key, ready, stopped afterwards."""
     log = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    server = Server(args, home, log, env=env, api_key=SESSION_API_KEY)
+    server = Server(args, home, log, env=env, api_key=SESSION_API_KEY, tls_ca=tls_ca)
     try:
         server.wait_ready()
         yield server

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,12 +13,17 @@ from spark_edge import weight_paths
 from spark_edge.checkpoints.errors import CheckpointError
 from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, PlanRefused
 from spark_edge.probe.errors import UnsupportedHostError
+from spark_edge.serving.launch import EngineDied
+from spark_edge.serving.passthrough import VLLM_ARGS_ENV, InputFileError
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
-# Refusals before anything loads, whichever subcommand meets them: one line on stderr and the README's exit code
-REFUSALS = {CheckpointError: exit_codes.CHECKPOINT, UnsupportedHostError: exit_codes.UNSUPPORTED_HOST,
-            PlanRefused: exit_codes.MEMORY}
+# Whichever subcommand meets them: one line on stderr and the README's exit code. All but the engine's death
+# are refusals before anything loads.
+REFUSALS = {CheckpointError: exit_codes.CHECKPOINT, InputFileError: exit_codes.CHECKPOINT,
+            UnsupportedHostError: exit_codes.UNSUPPORTED_HOST, PlanRefused: exit_codes.MEMORY,
+            EngineDied: exit_codes.ENGINE_DIED}
 
 
 def _fail(message: str, code: int) -> None:
@@ -92,9 +98,9 @@ def build_params(weight_path: str, group_size: int | None, search: bool | None, 
 def _serve_options(f):
     """The options `serve` and `warm` share: warm must build what serve will run, to the byte."""
     for option in reversed([
-        click.option("--model", type=click.Path(path_type=Path), default=None,
+        click.option("--model", type=click.Path(path_type=Path), default=None, envvar="SPARK_EDGE_MODEL",
                      help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
-                          "(default: SmolLM2-135M-Instruct)."),
+                          "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry)."),
         click.option("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto",
                      show_default=True, envvar="SPARK_EDGE_WEIGHT_PATH",
                      help="auto: what `spark-edge probe` picks for this host."),
@@ -119,32 +125,42 @@ def _serve_options(f):
                      envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
                      help="Seconds in-flight requests get to finish after SIGTERM before they are aborted "
                           "(0: abort at once)."),
+        click.option("--max-request-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_REQUEST_BYTES,
+                     show_default=True, envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
+                     help="Largest request body accepted; a larger one gets 413 before it is read."),
         click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
                      envvar="SPARK_EDGE_PROCESS_LAYOUT",
                      help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
                           "split: vLLM's default, the worker in a process of its own."),
+        click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_OPTIONS...]"),
     ]):
         f = option(f)
     return f
 
 
-def _run_server(serve_mode: bool, **kwargs) -> None:
+def _run_server(serve_mode: bool, vllm_args: tuple[str, ...], **kwargs) -> None:
+    from spark_edge.serving.passthrough import vllm_args_from
     from spark_edge.serving.serve import ServeRequest, run
 
-    run(ServeRequest(**kwargs), log=_log, serve=serve_mode)
+    run(ServeRequest(**kwargs, vllm_args=vllm_args_from(dict(os.environ), vllm_args)), log=_log, serve=serve_mode)
 
 
-@main.command()
+_PASS_THROUGH_HELP = (f"\n\nvLLM's own server options follow `--` (and ${VLLM_ARGS_ENV}, shell words, before them); "
+                      "`-- --help` lists them. What spark-edge decides (context, KV size, sequences, prefill chunk, "
+                      "dtype, quantization, host, port, API key, process layout) is refused there, naming the "
+                      "option to use instead.")
+
+
+@main.command(help="Probe, plan and serve a model through vLLM's OpenAI-compatible API." + _PASS_THROUGH_HELP)
 @_serve_options
 def serve(**kwargs) -> None:
-    """Probe, plan and serve a model through vLLM's OpenAI-compatible API."""
     _run_server(True, **kwargs)
 
 
-@main.command()
+@main.command(help="Build the checkpoint and fill the compile cache for `serve` with the same options, then exit."
+              + _PASS_THROUGH_HELP)
 @_serve_options
 def warm(**kwargs) -> None:
-    """Build the checkpoint and fill the compile cache for `serve` with the same options, then exit."""
     _run_server(False, **kwargs)
 
 

