@@ -185,6 +185,7 @@ def test_dockerfiles_are_hadolint_clean() -> None:
     assert hadolint, "hadolint missing: it comes with the test extra (pip install -e '.[test]')"
     files = sorted(str(p) for p in REPO.glob("Dockerfile.*"))
     assert [Path(f).name for f in files] == ["Dockerfile.amx", "Dockerfile.arm", "Dockerfile.avx512"]
+    files.append(str(REPO / "deploy" / "compose" / "Dockerfile.prometheus"))
     result = subprocess.run([hadolint, *files], capture_output=True, text=True)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
@@ -285,6 +286,60 @@ def test_avx512_without_a_writable_data_folder_says_what_to_mount(avx512_image: 
     result = run_once(avx512_image, [], ["--read-only"], timeout_s=120)
     assert result.returncode == 1
     assert "mount a volume or a tmpfs" in result.stderr and "/var/cache/spark-edge" in result.stderr
+
+
+# --- the edge box: compose ---------------------------------------------------------------------
+
+COMPOSE = REPO / "deploy" / "compose" / "compose.yaml"
+RULES = REPO / "deploy" / "rules" / "spark-edge.rules.yml"
+
+
+def _prometheus_api(port: int, path: str) -> dict:
+    try:
+        reply = requests.get(f"http://127.0.0.1:{port}/api/v1/{path}", timeout=5)
+    except requests.ConnectionError:
+        return {}
+    return reply.json().get("data", {}) if reply.status_code == 200 else {}
+
+
+def test_compose_box_comes_up_and_prometheus_scrapes_it_with_every_rule(avx512_image: str) -> None:
+    """deploy/compose/compose.yaml with Debian's docker-compose: spark-edge and Prometheus (built here from
+    Debian's package on the images' base), until Prometheus has the target up and the rules loaded."""
+    import yaml
+
+    compose = shutil.which("docker-compose")
+    assert compose, "docker-compose missing: deploy/install-tools.sh installs Debian's (.ci/run runs it)"
+    built = subprocess.run([str(REPO / "deploy" / "compose" / "build-prometheus-image.sh")], capture_output=True,
+                           text=True, timeout=BUILD_TIMEOUT_S)
+    assert built.returncode == 0, built.stderr[-3000:]
+    prometheus_image = built.stdout.strip().splitlines()[-1]
+    server_port, prometheus_port = free_port(), free_port()
+    project = f"spark-edge-test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "SPARK_EDGE_IMAGE": avx512_image, "PROMETHEUS_IMAGE": prometheus_image,
+           "SPARK_EDGE_PORT": str(server_port), "PROMETHEUS_PORT": str(prometheus_port)}
+    base = [compose, "-p", project, "-f", str(COMPOSE)]
+    rules = sum(len(group["rules"]) for group in yaml.safe_load(RULES.read_text())["groups"])
+    with engine_lock():
+        started = time.monotonic()
+        up = subprocess.run([*base, "up", "-d"], env=env, capture_output=True, text=True, timeout=600)
+        try:
+            assert up.returncode == 0, up.stderr[-3000:]
+            deadline = started + READY_TIMEOUT_S
+            target_up = loaded = None
+            while time.monotonic() < deadline and not (target_up and loaded == rules):
+                time.sleep(2)
+                result = _prometheus_api(prometheus_port, 'query?query=up{job="spark-edge"}').get("result", [])
+                target_up = bool(result) and result[0]["value"][1] == "1"
+                groups = _prometheus_api(prometheus_port, "rules").get("groups", [])
+                loaded = sum(len(g["rules"]) for g in groups)
+            took = time.monotonic() - started
+            logs = subprocess.run([*base, "logs", "--tail", "40"], env=env, capture_output=True, text=True).stdout
+            assert target_up, f"Prometheus never saw spark-edge up in {took:.0f} s:\n{logs[-6000:]}"
+            assert loaded == rules, f"Prometheus loaded {loaded} of {rules} rules"
+            assert requests.get(f"http://127.0.0.1:{server_port}/health", timeout=5).status_code == 200
+            print(f"\ncompose up: spark-edge scraped up by Prometheus with {loaded} rules loaded {took:.0f} s after up")
+        finally:
+            subprocess.run([*base, "down", "-v", "--timeout", "30"], env=env, capture_output=True, timeout=300)
 
 
 # --- amx ---------------------------------------------------------------------------------------
