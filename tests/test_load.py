@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Server
-from spark_edge.bench.load import LoadReport, format_load_table
+from spark_edge.bench.load import MiB, LoadReport, format_load_table, rss_slope
 from spark_edge.bench.streams import percentile
 
 pytestmark = pytest.mark.engine
@@ -60,3 +60,13 @@ def test_load_table_flags_errors_and_rss_over_the_plan() -> None:
     assert "OVER" in table and "bf16: error: HTTP 500: boom" in table
     assert report.as_dict()["under_plan"] is False and "samples" not in report.as_dict()
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_rss_slope_reads_the_last_window_only() -> None:
+    # flat for 10 minutes, then +1 MiB a minute for 20: the window sees only the growth
+    series = [(float(t), 1000 << 20) for t in range(0, 600, 10)]
+    series += [(float(t), (1000 << 20) + (t - 600) * MiB // 60) for t in range(600, 1801, 10)]
+    slope, covered = rss_slope(series)
+    assert abs(slope - 60.0) < 0.5 and covered == 1200
+    assert rss_slope(series, window_s=100000)[0] < 60.0  # the flat start pulls the whole run's slope down
+    assert rss_slope(series[:1]) == (0.0, 0.0)

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from spark_edge.bench.streams import percentile
 
 MiB = 1 << 20
+SLOPE_WINDOW_S = 1200  # a soak's last 20 minutes: allocator arenas and caches have settled by then
 # Common English words: prompts that tokenize to about one token per word.
 _WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
           "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -61,6 +62,9 @@ class LoadReport:
     plan_steady_bytes: int
     plan_peak_bytes: int  # the plan's highest: its load peak or a prompt_logprobs step
     memory_limit_bytes: int
+    # least-squares slope of the tree's anonymous RSS over the load's last SLOPE_WINDOW_S (all of it if shorter)
+    rss_slope_mib_per_hour: float = 0.0
+    rss_slope_window_s: float = 0.0
     samples: list[RequestResult] = field(default_factory=list, repr=False)
 
     @property
@@ -121,12 +125,24 @@ def stream_one(url: str, headers: dict[str, str], body: dict, timeout_s: float) 
     return RequestResult(ttft, tokens, seconds)
 
 
+def rss_slope(series: list[tuple[float, int]], window_s: float = SLOPE_WINDOW_S) -> tuple[float, float]:
+    """(MiB per hour, seconds covered): least squares over the series' last `window_s` seconds."""
+    tail = [(t, b) for t, b in series if series and t >= series[-1][0] - window_s]
+    if len(tail) < 2 or tail[-1][0] == tail[0][0]:
+        return 0.0, 0.0
+    mean_t = sum(t for t, _ in tail) / len(tail)
+    mean_b = sum(b for _, b in tail) / len(tail)
+    slope = sum((t - mean_t) * (b - mean_b) for t, b in tail) / sum((t - mean_t) ** 2 for t, _ in tail)
+    return slope * 3600 / MiB, tail[-1][0] - tail[0][0]
+
+
 class _RssWatch:
     """Scrapes the server's anonymous RSS every second while the load runs."""
 
     def __init__(self, url: str, interval_s: float = 1.0):
         self.url, self.interval_s = url, interval_s
         self.max_bytes = 0
+        self.series: list[tuple[float, int]] = []  # (monotonic s, bytes)
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-watch", daemon=True)
@@ -142,8 +158,9 @@ class _RssWatch:
     def _run(self) -> None:
         while True:
             try:
-                value = scrape(self.url).get("spark_edge_process_rss_anon_bytes", 0)
-                self.max_bytes = max(self.max_bytes, int(value))
+                value = int(scrape(self.url).get("spark_edge_process_rss_anon_bytes", 0))
+                self.max_bytes = max(self.max_bytes, value)
+                self.series.append((time.monotonic(), value))
             except requests.RequestException as exc:
                 self.errors.append(f"/metrics: {exc}")
             if self._stop.wait(self.interval_s):
@@ -183,6 +200,7 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
     ok = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None] + watch.errors
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    slope, covered = rss_slope(watch.series)
     stream_rates = [(r.tokens - 1) / (r.seconds - r.ttft_s) for r in ok
                     if r.ttft_s is not None and r.tokens > 1 and r.seconds > r.ttft_s]
     return LoadReport(
@@ -197,6 +215,7 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
         plan_steady_bytes=int(end.get("spark_edge_plan_steady_bytes", 0)),
         plan_peak_bytes=int(end.get("spark_edge_plan_peak_bytes", 0)),
         memory_limit_bytes=int(end.get("spark_edge_memory_limit_bytes", 0)),
+        rss_slope_mib_per_hour=slope, rss_slope_window_s=covered,
         samples=results,
     )
 
@@ -204,18 +223,21 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
 def format_load_table(reports: dict[str, LoadReport]) -> str:
     width = max([12, *(len(tag) for tag in reports)])
     head = (f"{'arm':<{width}} {'clients':>7} {'requests':>8} {'errors':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
-            f"{'tok/s':>7} {'stream tok/s':>12} {'RSS max MiB':>11} {'plan MiB':>9} {'peak/plan peak':>15}")
+            f"{'tok/s':>7} {'stream tok/s':>12} {'RSS max MiB':>11} {'plan MiB':>9} {'peak/plan peak':>15} "
+            f"{'RSS MiB/h':>9}")
     lines = [head, "-" * len(head)]
     for tag, r in reports.items():
         lines.append(
             f"{tag:<{width}} {r.clients:>7} {r.requests:>8} {len(r.errors):>6} {r.ttft_p50_s:>8.3f}s {r.ttft_p95_s:>8.3f}s "
             f"{r.throughput_tps:>7.1f} {r.stream_tps_p50:>12.1f} {r.rss_anon_max_bytes / MiB:>11.0f} "
             f"{r.plan_steady_bytes / MiB:>9.0f} "
-            f"{r.rss_anon_peak_bytes / MiB:>6.0f}/{r.plan_peak_bytes / MiB:.0f}"
+            f"{r.rss_anon_peak_bytes / MiB:>6.0f}/{r.plan_peak_bytes / MiB:<6.0f} {r.rss_slope_mib_per_hour:>+9.1f}"
             f"{'' if r.under_plan else ' OVER'}")
     for tag, r in reports.items():
         for error in r.errors[:5]:
             lines.append(f"{tag}: error: {error}")
     lines.append("RSS max: anonymous RSS of the server's process tree during the load (plan: its steady figure); "
-                 "peak: over the server's life, load included (plan: its peak, load or a prompt_logprobs step)")
+                 "peak: over the server's life, load included (plan: its peak, load or a prompt_logprobs step); "
+                 f"RSS MiB/h: its least-squares slope over the load's last {SLOPE_WINDOW_S // 60} minutes "
+                 "(all of a shorter load)")
     return "\n".join(lines)
