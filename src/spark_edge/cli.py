@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -21,7 +22,7 @@ from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
 # Whichever subcommand meets them: one line on stderr and the README's exit code. All but the engine's death
 # are refusals before anything loads.
-REFUSALS = {CheckpointError: exit_codes.CHECKPOINT, InputFileError: exit_codes.CHECKPOINT,
+EXIT_CODES = {CheckpointError: exit_codes.CHECKPOINT, InputFileError: exit_codes.CHECKPOINT,
             UnsupportedHostError: exit_codes.UNSUPPORTED_HOST, PlanRefused: exit_codes.MEMORY,
             EngineDied: exit_codes.ENGINE_DIED}
 
@@ -41,8 +42,8 @@ class _SparkEdge(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except tuple(REFUSALS) as exc:
-            _fail(str(exc), next(code for kind, code in REFUSALS.items() if isinstance(exc, kind)))
+        except tuple(EXIT_CODES) as exc:
+            _fail(str(exc), next(code for kind, code in EXIT_CODES.items() if isinstance(exc, kind)))
 
 
 @click.group(cls=_SparkEdge, context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,43 +96,50 @@ def build_params(weight_path: str, group_size: int | None, search: bool | None, 
     return params
 
 
+def _setting(*decls: str, envvar: str, **kwargs) -> Callable:
+    """A serve option: its environment variable is declared here and shown in --help."""
+    return click.option(*decls, envvar=envvar, show_envvar=True, **kwargs)
+
+
 def _serve_options(f):
-    """The options `serve` and `warm` share: warm must build what serve will run, to the byte."""
+    """The options `serve` and `warm` share: warm must build what serve will run, to the byte. Each reads an
+    environment variable, shown in --help; the README's table is generated from them (spark_edge.settings_table)."""
     for option in reversed([
-        click.option("--model", type=click.Path(path_type=Path), default=None, envvar="SPARK_EDGE_MODEL",
-                     help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
-                          "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry)."),
-        click.option("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto",
-                     show_default=True, envvar="SPARK_EDGE_WEIGHT_PATH",
-                     help="auto: what `spark-edge probe` picks for this host."),
-        click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
-                     envvar="SPARK_EDGE_PRIORITY", help="fidelity prefers bf16 activations (w4a16) over w4a8."),
-        click.option("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST"),
-        click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-                     envvar="SPARK_EDGE_PORT"),
-        click.option("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True,
-                     envvar="SPARK_EDGE_MAX_MODEL_LEN",
-                     help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it)."),
-        click.option("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
-                     envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
-        click.option("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
-                     help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
-        click.option("--api-key", default=None, envvar="SPARK_EDGE_API_KEY",
-                     help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
-                          "a command line is visible to other users)."),
-        click.option("--api-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-                     envvar="SPARK_EDGE_API_KEY_FILE", help="Read the API key from this file (first line)."),
-        click.option("--shutdown-timeout", type=click.IntRange(0), default=20, show_default=True,
-                     envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
-                     help="Seconds in-flight requests get to finish after SIGTERM before they are aborted "
-                          "(0: abort at once)."),
-        click.option("--max-request-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_REQUEST_BYTES,
-                     show_default=True, envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
-                     help="Largest request body accepted; a larger one gets 413 before it is read."),
-        click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
-                     envvar="SPARK_EDGE_PROCESS_LAYOUT",
-                     help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
-                          "split: vLLM's default, the worker in a process of its own."),
+        _setting("--model", type=click.Path(path_type=Path), default=None, envvar="SPARK_EDGE_MODEL",
+                 help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
+                      "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry)."),
+        _setting("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto",
+                 show_default=True, envvar="SPARK_EDGE_WEIGHT_PATH",
+                 help="auto: what `spark-edge probe` picks for this host."),
+        _setting("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
+                 envvar="SPARK_EDGE_PRIORITY", help="fidelity prefers bf16 activations (w4a16) over w4a8."),
+        _setting("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST",
+                 help="Address to listen on (0.0.0.0: every interface; the images use it)."),
+        _setting("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+                 envvar="SPARK_EDGE_PORT", help="Port to listen on."),
+        _setting("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True,
+                 envvar="SPARK_EDGE_MAX_MODEL_LEN",
+                 help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it)."),
+        _setting("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
+                 envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
+        _setting("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
+                 help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
+        _setting("--api-key", default=None, envvar="SPARK_EDGE_API_KEY",
+                 help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
+                      "a command line is visible to other users)."),
+        _setting("--api-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                 envvar="SPARK_EDGE_API_KEY_FILE", help="Read the API key from this file (first line)."),
+        _setting("--shutdown-timeout", type=click.IntRange(0), default=20, show_default=True,
+                 envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
+                 help="Seconds in-flight requests get to finish after SIGTERM before they are aborted "
+                      "(0: abort at once)."),
+        _setting("--max-request-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_REQUEST_BYTES,
+                 show_default=True, envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
+                 help="Largest request body accepted; a larger one gets 413 before it is read."),
+        _setting("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
+                 envvar="SPARK_EDGE_PROCESS_LAYOUT",
+                 help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
+                      "split: vLLM's default, the worker in a process of its own."),
         click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_OPTIONS...]"),
     ]):
         f = option(f)

@@ -46,7 +46,7 @@ def plan(model: Path | None, weight_path: str | None, max_model_len: int, max_nu
     from spark_edge.probe.device import probe_device
     from spark_edge.probe.weight_path_choice import select_weight_path
 
-    device = probe_device()  # a host or model refused here: the command group's exit codes (cli.REFUSALS)
+    device = probe_device()  # a host or model refused here: the command group's exit codes (cli.EXIT_CODES)
     path = select_weight_path(device, explicit=weight_path).name
     config = model_config(model)
     ceiling = memory_limit or device.memory.ceiling
