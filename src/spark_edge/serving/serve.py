@@ -33,7 +33,7 @@ from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining, passthrough, request_limits
-from spark_edge.serving.checkpoint import checkpoint_for_serving
+from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
 
 
@@ -141,13 +141,6 @@ def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path, layout: s
     return env
 
 
-def _built_weight_path(checkpoint: Path, fallback: str) -> str:
-    manifest = checkpoint / "spark_edge_manifest.json"
-    if manifest.is_file():
-        return json.loads(manifest.read_text())["inputs"]["weight_path"]
-    return fallback
-
-
 def _fresh_run_dir() -> Path:
     run_dir = spark_edge_home() / "run" / str(os.getpid())
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +191,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         check_cpu_int4_tensors(checkpoint, config)
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
-    path = _built_weight_path(checkpoint, choice.name)
+    path = built_weight_path(checkpoint) or choice.name
     group = int(config.get("quantization_config", {}).get("group_size", 32))
     ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)
     try:
