@@ -22,9 +22,9 @@ from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S
 from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
-from spark_edge.planning.calibration import calibrated_baseline, record_load_peak
-from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan, PlanRefused, make_plan
-from spark_edge.planning.model_shape import ModelShape
+from spark_edge.planning.calibration import record_load_peak
+from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
+from spark_edge.planning.serving_plan import serving_plan
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
@@ -192,14 +192,8 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
     path = built_weight_path(checkpoint) or choice.name
-    group = int(config.get("quantization_config", {}).get("group_size", 32))
     ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)
-    try:
-        plan = make_plan(ModelShape.from_config(config), path, ceiling.bytes, req.max_model_len, req.max_num_seqs,
-                         group, req.process_layout,
-                         calibrated_baseline(sorted(device.features), path, req.process_layout))
-    except PlanRefused as exc:  # before vLLM is even imported: nothing to OOM-kill, nothing to crash-loop
-        raise PlanRefused(f"{ceiling.describe()}: {exc}", exc.plan) from None
+    plan = serving_plan(device, config, path, ceiling, req.max_model_len, req.max_num_seqs, req.process_layout)
     # one cache root per weight path: its stamp names the path, so paths never evict each other
     return Prepared(device, choice, checkpoint, served_name, path, plan, _fresh_run_dir(),
                     spark_edge_home() / "vllm-cache" / path, phases, sampler, ceiling)

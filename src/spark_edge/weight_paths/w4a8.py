@@ -39,7 +39,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -186,8 +186,16 @@ def _check_kernel_shape(item: _Item) -> None:
         )
 
 
+def default_group_size(ks: Iterable[int]) -> int:
+    """The largest group vLLM's GPTQ method accepts that divides every K (the plan uses it for unbuilt sources)."""
+    ks = sorted(set(ks))
+    for g in GROUP_SIZES:
+        if all(k % g == 0 for k in ks):
+            return g
+    raise CheckpointError(f"w4a8: no group size of {GROUP_SIZES} divides every K ({ks})")
+
+
 def _choose_group_size(items: list[_Item], requested: int | None) -> int:
-    ks = sorted({item.shape[1] for item in items if item.action == "gptq"})
     if requested is not None:
         for item in items:
             if item.action == "gptq" and item.shape[1] % requested:
@@ -195,10 +203,7 @@ def _choose_group_size(items: list[_Item], requested: int | None) -> int:
                     f"w4a8: group_size {requested} does not divide K={item.shape[1]} of {item.out}"
                 )
         return requested
-    for g in GROUP_SIZES:
-        if all(k % g == 0 for k in ks):
-            return g
-    raise CheckpointError(f"w4a8: no group size of {GROUP_SIZES} divides every K ({ks})")
+    return default_group_size(item.shape[1] for item in items if item.action == "gptq")
 
 
 @dataclass(frozen=True)

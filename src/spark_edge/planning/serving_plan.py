@@ -1,0 +1,39 @@
+"""The memory plan a server runs with: one computation for `spark-edge serve` / `warm` and `spark-edge plan`.
+
+Both take the weight path a built checkpoint records (or the probe's choice, with --priority), the group
+size its config records, the ceiling a server started from this process would have (serving_ceiling:
+--memory-limit, or what the probe finds free plus what this process holds), and this host's calibrated
+baseline. So the limit `spark-edge plan` prints for a pod is the one `serve` will plan under.
+"""
+
+from __future__ import annotations
+
+from spark_edge.planning.calibration import calibrated_baseline
+from spark_edge.planning.ceiling import Ceiling
+from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
+from spark_edge.planning.model_shape import ModelShape
+from spark_edge.probe.device import DeviceProfile
+from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE
+
+
+def quant_group(config: dict, weight_path: str, shape: ModelShape) -> int:
+    """The 4-bit group a built checkpoint records; for a source not built yet, what its writer would choose."""
+    if "group_size" in config.get("quantization_config", {}):
+        return int(config["quantization_config"]["group_size"])
+    if weight_path == "w4a8":
+        from spark_edge.weight_paths.w4a8 import default_group_size
+
+        return default_group_size(k for _, k in shape.linear_shapes())
+    return DEFAULT_GROUP_SIZE
+
+
+def serving_plan(device: DeviceProfile, config: dict, weight_path: str, ceiling: Ceiling, max_model_len: int,
+                 max_num_seqs: int, layout: str) -> MemoryPlan:
+    """Raises PlanRefused, its message led by where the ceiling came from."""
+    shape = ModelShape.from_config(config)
+    try:
+        return make_plan(shape, weight_path, ceiling.bytes, max_model_len, max_num_seqs,
+                         quant_group(config, weight_path, shape), layout,
+                         calibrated_baseline(sorted(device.features), weight_path, layout))
+    except PlanRefused as exc:  # before vLLM is even imported: nothing to OOM-kill, nothing to crash-loop
+        raise PlanRefused(f"{ceiling.describe()}: {exc}", exc.plan) from None
