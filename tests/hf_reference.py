@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from spark_edge.models.spark_reference import _Weights
+from spark_reference import _Weights
 
 # a fused tensor and the parts a GPTQ export writes instead (vLLM's loaders stack them again)
 FUSED_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}

@@ -27,7 +27,7 @@ from hf_reference import logprob_matrix
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
-from spark_edge.models.spark_reference import SparkReference
+from spark_reference import SparkReference
 from spark_edge.models.tiny_spark import TinySparkShape, make_tiny_spark, spark_config
 from spark_edge.planning.memory_plan import KV_BLOCK_TOKENS, kv_bytes_for, make_plan
 from spark_edge.planning.model_shape import ModelShape

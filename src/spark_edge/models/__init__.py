@@ -4,8 +4,9 @@
 - `spark_config`: its Hugging Face config class (model_type "spark2_5"), so no remote code runs.
 - `head_gate`: the head-wise output gate as an opaque custom op.
 - `spark`: the vLLM model (`Spark2_5ForCausalLM`), imported lazily by vLLM's registry.
-- `spark_reference`: the same architecture in plain PyTorch, written independently, to check against.
 - `tiny_spark`: a small Spark-shaped checkpoint with random weights, for tests.
+
+Its independent plain-PyTorch reference lives with the tests that use it (tests/spark_reference.py).
 """
 
 from __future__ import annotations
