@@ -3,8 +3,9 @@
 #
 # The checkpoint and the compile cache baked at build time live under /opt (read-only with
 # `docker run --read-only`); vLLM writes to its compile cache, so `serve` and `warm` run with
-# $SPARK_EDGE_HOME on a volume or tmpfs, and the baked cache is copied there when that is empty
-# or holds a cache stamped for something else (an older image's, left in a kept volume).
+# $SPARK_EDGE_HOME on a volume or tmpfs, and the baked cache is copied there, per weight-path
+# folder, when that folder is empty or holds a cache stamped for something else (an older image's,
+# left in a kept volume).
 # With no --model, `serve` and `warm` read the baked checkpoint from $SPARK_EDGE_MODEL themselves.
 set -eu
 
@@ -28,11 +29,15 @@ seed_cache() {
         return
     fi
     [ -d "$baked/vllm-cache" ] || return 0
-    if [ -f "$baked/vllm-cache/$stamp" ] && [ -f "$cache/$stamp" ] \
-        && ! cmp -s "$baked/vllm-cache/$stamp" "$cache/$stamp"; then
-        log "$cache holds a compile cache made for something else; replacing it with this image's"
-        find "$cache" -mindepth 1 -delete
-    fi
+    # One cache per weight path, each stamped in its own folder (what it was compiled for)
+    for folder in "$baked/vllm-cache"/*/; do
+        [ -d "$folder" ] || continue
+        kept=$cache/$(basename "$folder")
+        if [ -f "$folder$stamp" ] && [ -f "$kept/$stamp" ] && ! cmp -s "$folder$stamp" "$kept/$stamp"; then
+            log "$kept holds a compile cache made for something else; replacing it with this image's"
+            rm -rf "$kept"
+        fi
+    done
     start=$(now_ms)
     # -n: what the folder already holds (from an earlier start of this image) is kept as it is.
     cp -R -n "$baked/vllm-cache/." "$cache/"
