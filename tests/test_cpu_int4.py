@@ -254,7 +254,7 @@ def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: p
 
     cxx = ni._compiler()
     here = ni._build_key(cxx)
-    monkeypatch.setattr(ni, "_cpu_flags", lambda: "flags : fpu sse sse2")  # another CPU
+    monkeypatch.setattr(ni, "all_cpu_flags", lambda: ["fpu", "sse", "sse2"])  # another CPU
     assert ni._build_key(cxx) != here  # a library built there is never loaded here
     monkeypatch.setenv(ni.ENV_SWITCH, "0")
     ni.load_native_ops.cache_clear()

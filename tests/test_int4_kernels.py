@@ -9,6 +9,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from spark_edge.probe.cpu_features import all_cpu_flags
 from spark_edge.quant import cpu_int4_op
 from spark_edge.quant import int4_asym as q4
 from spark_edge.quant import native_int4 as ni
@@ -328,7 +329,7 @@ def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
     buf, sz = tl.pack_for_kernel(q4.pack_nibbles(codes)), tl.scales_and_zeros(scale, zero)
     # the layout's form: vpdpbusd quads on the 64-channel layout where the compiler targets AVX512-VNNI
     # (-march=native), pairs elsewhere
-    quads = "avx512_vnni" in ni._cpu_flags().split() and layout.block == 64
+    quads = "avx512_vnni" in all_cpu_flags() and layout.block == 64
     assert ops.int4_q8_default_form() == ni.Q8_FORMS["quads" if quads else "pairs"]
     ops.int4_configure(layout.block, layout.halves, 16, -1, 0)
     try:

@@ -102,14 +102,13 @@ def _peer_arm(model: Path | None) -> Arm:
     from spark_edge.bench.peer_build import ensure_built, ensure_ggufs
     from spark_edge.bench.runner import Arm
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-    from spark_edge.probe.cpu_features import first_processor_fields
+    from spark_edge.probe.cpu_features import all_cpu_flags
     from spark_edge.probe.device import probe_device
 
     device = probe_device()
     # the build names ISA extensions one by one on AMX hosts: the kernel's whole flag list, not the probe's
     # subset of what vLLM needs (which leaves out avx, bmi2, avx512vbmi)
-    flags = first_processor_fields(Path("/proc/cpuinfo").read_text()).get("flags", "").split()
-    bin_dir = ensure_built(frozenset(flags) or device.features, platform.machine(), _log)
+    bin_dir = ensure_built(frozenset(all_cpu_flags()) or device.features, platform.machine(), _log)
     from spark_edge.serving.checkpoint import built_weight_path
 
     if built_weight_path(model) not in (None, "bf16"):

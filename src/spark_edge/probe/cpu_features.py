@@ -96,6 +96,13 @@ def first_processor_fields(cpuinfo: str) -> dict[str, str]:
     return fields
 
 
+def all_cpu_flags() -> list[str]:
+    """The kernel's whole flag list of the first processor (x86 "flags", arm64 "Features"; empty if unreadable),
+    for what names every extension (a build's -m flags, a native build's ISA stamp), not only the probe's."""
+    fields = first_processor_fields(read_text(Path("/"), "proc/cpuinfo") or "")
+    return (fields.get("flags") or fields.get("Features") or "").split()
+
+
 def read_auxv_hwcaps(data: bytes | None) -> tuple[int, int] | None:
     """(AT_HWCAP, AT_HWCAP2) from an auxv image, or None when absent or unreadable.
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from spark_edge.paths import spark_edge_home
+from spark_edge.probe.cpu_features import all_cpu_flags
 from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 class _Unavailable(Exception):
     pass
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features")]
-    return lines[0] if lines else ""
 
 
 def _compiler() -> str:
@@ -84,7 +76,8 @@ def _torch_flags() -> list[str]:
 def _build_key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = (*(s.read_bytes() for s in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
-             torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode())
+             torch.__version__.encode(), (" ".join(all_cpu_flags()) or platform.processor()).encode(),
+             platform.machine().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
