@@ -104,17 +104,17 @@ def _peer_arm(model: Path | None) -> Arm:
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
     from spark_edge.probe.cpu_features import all_cpu_flags
     from spark_edge.probe.device import probe_device
+    from spark_edge.serving.checkpoint import built_weight_path
 
+    built = built_weight_path(model)
+    if built not in (None, "bf16"):  # refused before llama.cpp's build (minutes), not after it
+        raise click.UsageError(f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "
+                               f"{built} build: give bench the source model")
+    bf16 = arm_checkpoint(model, "bf16")
     device = probe_device()
     # the build names ISA extensions one by one on AMX hosts: the kernel's whole flag list, not the probe's
     # subset of what vLLM needs (which leaves out avx, bmi2, avx512vbmi)
     bin_dir = ensure_built(frozenset(all_cpu_flags()) or device.features, platform.machine(), _log)
-    from spark_edge.serving.checkpoint import built_weight_path
-
-    if built_weight_path(model) not in (None, "bf16"):
-        raise click.UsageError(f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "
-                               f"{built_weight_path(model)} build: give bench the source model")
-    bf16 = arm_checkpoint(model, "bf16")
     ggufs = ensure_ggufs(bin_dir, bf16, _log)
     peer = Peer(bin_dir, ggufs, device.cpus.usable_cores, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS)
     return Arm(bf16, json.loads((bf16 / "config.json").read_text())["vocab_size"], peer=peer)
