@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import single_process_tp_group
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.hf_source import HFSource
 from spark_edge.quant import int4_asym as q4
 from spark_edge.quant import tinygemm_layout as tl

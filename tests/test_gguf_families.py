@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.hf_source import TOKENIZER_FILES, HFSource
 from spark_edge.checkpoints.safetensors_stream import write_safetensors

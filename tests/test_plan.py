@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from spark_edge import exit_codes
-from spark_edge.planning.command import plan as plan_command
+from spark_edge.cli import main
 from spark_edge.planning.memory_plan import (MIN_CONTEXT, MIN_PREFILL_CHUNK, PREFILL_CHUNK_TOKENS,
                                               PROMPT_LOGPROBS_BYTES_PER_LOGIT, MemoryPlan, MiB, PlanRefused,
                                               activation_bytes, kv_bytes_for, logits_transient_bytes, make_plan,
@@ -109,12 +109,12 @@ def test_too_small_a_ceiling_is_refused_with_numbers() -> None:
 
 
 def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> None:
-    result = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16",
+    result = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint), "--weight-path", "bf16",
                                                "--memory-limit", str(512 * MiB), "--json"])
     assert result.exit_code == exit_codes.MEMORY
     out = json.loads(result.stdout)
     assert out["fits"] is False and out["peak_bytes"] > out["budget_bytes"]
-    ok = CliRunner().invoke(plan_command, ["--model", str(bf16_checkpoint), "--weight-path", "bf16", "--json"])
+    ok = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint), "--weight-path", "bf16", "--json"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["fits"] is True
 
 

@@ -27,7 +27,7 @@ from spark_edge.probe import (
     recommended_image,
     select_weight_path,
 )
-from spark_edge.probe.command import probe
+from spark_edge.cli import main
 from spark_edge.probe.cpu_features import decode_arm_hwcaps, read_auxv_hwcaps
 from spark_edge.probe.cpus import usable_cores
 
@@ -367,7 +367,7 @@ DEVICE_KEYS = {"machine", "cpu_model", "features", "feature_source", "amx_usable
 
 def test_probe_command_json_has_stable_keys(tmp_path: Path) -> None:
     root = device_tree(tmp_path, "zen4", "container_v2")
-    result = CliRunner().invoke(probe, ["--json", "--root", str(root), "--machine", "x86_64"])
+    result = CliRunner().invoke(main, ["probe", "--json", "--root", str(root), "--machine", "x86_64"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert set(out) == JSON_KEYS and set(out["device"]) == DEVICE_KEYS
@@ -381,7 +381,7 @@ def test_probe_command_json_has_stable_keys(tmp_path: Path) -> None:
 
 def test_probe_command_prints_a_table_with_the_choice(tmp_path: Path) -> None:
     root = device_tree(tmp_path, "sapphire_rapids")
-    result = CliRunner().invoke(probe, ["--priority", "fidelity", "--root", str(root), "--machine", "x86_64"])
+    result = CliRunner().invoke(main, ["probe", "--priority", "fidelity", "--root", str(root), "--machine", "x86_64"])
     assert result.exit_code == 0, result.output
     assert "Intel(R) Xeon(R) Platinum 8488C" in result.stdout
     assert "weight path     w4a16 (verified)" in result.stdout
@@ -390,7 +390,7 @@ def test_probe_command_prints_a_table_with_the_choice(tmp_path: Path) -> None:
 
 def test_probe_command_refuses_an_unsupported_host_with_its_exit_code(tmp_path: Path) -> None:
     root = device_tree(tmp_path, "sandy_bridge")
-    result = CliRunner().invoke(probe, ["--json", "--root", str(root), "--machine", "x86_64"])
+    result = CliRunner().invoke(main, ["probe", "--json", "--root", str(root), "--machine", "x86_64"])
     assert result.exit_code == exit_codes.UNSUPPORTED_HOST == 4
     out = json.loads(result.stdout)
     assert out["weight_path"] is None and "lacks avx2" in out["error"]
@@ -399,13 +399,13 @@ def test_probe_command_refuses_an_unsupported_host_with_its_exit_code(tmp_path: 
 
 def test_probe_command_refuses_w4a8_on_arm(tmp_path: Path) -> None:
     root = device_tree(tmp_path, "graviton3", files={"proc/self/auxv": auxv(*GRAVITON3_HWCAPS)})
-    result = CliRunner().invoke(probe, ["--weight-path", "w4a8", "--root", str(root), "--machine", "aarch64"])
+    result = CliRunner().invoke(main, ["probe", "--weight-path", "w4a8", "--root", str(root), "--machine", "aarch64"])
     assert result.exit_code == exit_codes.UNSUPPORTED_HOST
     assert "weight path     none" in result.stdout
 
 
 def test_probe_command_root_needs_machine(tmp_path: Path) -> None:
-    result = CliRunner().invoke(probe, ["--root", str(device_tree(tmp_path, "zen4"))])
+    result = CliRunner().invoke(main, ["probe", "--root", str(device_tree(tmp_path, "zen4"))])
     assert result.exit_code == exit_codes.USAGE
 
 

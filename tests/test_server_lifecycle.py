@@ -26,7 +26,8 @@ import requests
 from conftest import Server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.planning.calibration import calibrated_baseline
-from spark_edge.planning.memory_plan import MiB, PlanRefused, make_plan
+from spark_edge.errors import PlanRefused
+from spark_edge.planning.memory_plan import MiB, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import probe_device
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files

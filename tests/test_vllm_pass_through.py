@@ -12,7 +12,8 @@ import click
 import pytest
 
 from spark_edge import exit_codes
-from spark_edge.serving.passthrough import InputFileError, check_pass_through, describe, vllm_args_from
+from spark_edge.errors import InputFileError
+from spark_edge.serving.passthrough import check_pass_through, describe, vllm_args_from
 from spark_edge.serving.process_layout import layout_env
 
 DECIDED = layout_env("engine")

@@ -9,22 +9,15 @@ from typing import Callable
 
 import click
 
-from spark_edge import __version__, exit_codes
+from spark_edge import __version__
 from spark_edge import weight_paths
-from spark_edge.checkpoints.errors import CheckpointError
-from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS, PlanRefused
-from spark_edge.probe.errors import UnsupportedHostError
-from spark_edge.serving.launch import EngineDied
-from spark_edge.serving.passthrough import VLLM_ARGS_ENV, InputFileError
+from spark_edge.errors import SparkEdgeError
+from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from spark_edge.serving.passthrough import VLLM_ARGS_ENV
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
-# Whichever subcommand meets them: one line on stderr and the README's exit code. All but the engine's death
-# are refusals before anything loads.
-EXIT_CODES = {CheckpointError: exit_codes.CHECKPOINT, InputFileError: exit_codes.CHECKPOINT,
-            UnsupportedHostError: exit_codes.UNSUPPORTED_HOST, PlanRefused: exit_codes.MEMORY,
-            EngineDied: exit_codes.ENGINE_DIED}
 
 
 def _fail(message: str, code: int) -> None:
@@ -42,8 +35,8 @@ class _SparkEdge(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except tuple(EXIT_CODES) as exc:
-            _fail(str(exc), next(code for kind, code in EXIT_CODES.items() if isinstance(exc, kind)))
+        except SparkEdgeError as exc:  # each kind carries the README's exit code (spark_edge.errors)
+            _fail(str(exc), exc.exit_code)
 
 
 @click.group(cls=_SparkEdge, context_settings={"help_option_names": ["-h", "--help"]})

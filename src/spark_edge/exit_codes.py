@@ -1,14 +1,29 @@
-"""Exit codes of the spark-edge command (documented in the README).
+"""Exit codes of the spark-edge command; README.md's table is generated from MEANINGS (settings_table).
 
 Distinct codes let a supervisor (Docker restart policy, Kubernetes) and a user tell
-a problem that retrying will not fix from a crash.
+a problem that retrying will not fix from a crash. spark_edge.errors gives each error its code.
 """
 
 OK = 0
-FAILURE = 1  # unexpected error (a bug): the traceback is printed
-USAGE = 2  # bad command-line usage (click's own code)
-CHECKPOINT = 3  # model source or built checkpoint missing, corrupt or unsupported
-UNSUPPORTED_HOST = 4  # this CPU cannot run vLLM's CPU kernels, or not the weight path asked for
-MEMORY = 5  # the memory plan does not fit under the ceiling even at the minimum context
-PEER = 6  # bench --peer: the peer (llama.cpp) could not be built or converted; spark-edge's arms were measured
-ENGINE_DIED = 7  # serve: the engine process died while serving (OOM killer, crash); a supervisor restarts it
+FAILURE = 1
+USAGE = 2
+CHECKPOINT = 3
+UNSUPPORTED_HOST = 4
+MEMORY = 5
+PEER = 6
+ENGINE_DIED = 7
+
+MEANINGS = {
+    OK: "success",
+    FAILURE: "unexpected error (a bug; the traceback is printed)",
+    USAGE: "bad command-line usage, or a bad value in a `SPARK_EDGE_*` variable (named)",
+    CHECKPOINT: "the model source or a built checkpoint is missing, corrupt or unsupported, or a TLS file given "
+                "to vLLM cannot be read",
+    UNSUPPORTED_HOST: "this host cannot run vLLM's CPU kernels (x86-64 needs AVX2, FMA and F16C; arm64 needs "
+                      "NEON), or cannot run the weight path asked for",
+    MEMORY: "the memory plan does not fit under the ceiling even at the minimum context",
+    PEER: "`bench --peer`: the peer (llama.cpp) could not be built or converted (one line says why; the "
+          "spark-edge arms were still measured)",
+    ENGINE_DIED: "`serve`: the engine process died while serving (killed by the OOM killer, or a crash); the "
+                 "line says how",
+}

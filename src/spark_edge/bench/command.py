@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Callable
 
 import click
 
-from spark_edge import exit_codes, weight_paths
+from spark_edge import weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
-from spark_edge.bench.peer_build import PEERS, PeerUnavailable
+from spark_edge.bench.peer_build import PEERS
+from spark_edge.errors import PeerUnavailable
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 if TYPE_CHECKING:  # the CLI imports this module at start: the runner (requests) loads when used
@@ -206,5 +207,4 @@ def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, kee
     click.echo(format_table(summary))
     click.echo(f"JSON: {out}; server logs: {log_dir}")
     if peer_error:
-        click.echo(f"spark-edge: error: {peer_error}", err=True)
-        sys.exit(exit_codes.PEER)
+        raise PeerUnavailable(peer_error)  # after spark-edge's own arms were measured and written

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from spark_edge.checkpoints.manifest import MANIFEST_NAME
+from spark_edge.errors import PeerUnavailable
 from spark_edge.paths import spark_edge_home
 
 PEERS = ("llama.cpp",)  # what `bench --peer` accepts
@@ -38,10 +39,6 @@ GGML_ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "
                     "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
                     "avx512_bf16": "GGML_AVX512_BF16"}
 BUILD_TIMEOUT_S = 3600
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer could not be built or converted; the message is one line naming the cause and the log."""
 
 
 def peer_home() -> Path:

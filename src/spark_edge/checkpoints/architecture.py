@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.models import spark_layout
 
 

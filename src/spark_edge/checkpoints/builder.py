@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from spark_edge import __version__
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
 from spark_edge.checkpoints.sources import open_source

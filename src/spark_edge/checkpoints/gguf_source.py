@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
 

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import file_sha256
 
 MANIFEST_NAME = "spark_edge_manifest.json"

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID, default_gguf
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
 
 

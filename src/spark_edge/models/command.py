@@ -3,12 +3,10 @@ geometries for sizing and benchmarks)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from spark_edge import exit_codes
 
 
 @click.command("tiny-spark")
@@ -35,8 +33,7 @@ def tiny_spark(out: Path, layers: int, hidden: int, intermediate: int, vocab: in
     try:
         make_tiny_spark(out, shape, seed)
     except (FileExistsError, ValueError) as exc:
-        click.echo(f"spark-edge: error: {exc}", err=True)
-        sys.exit(exit_codes.USAGE)
+        raise click.UsageError(str(exc)) from None
     click.echo(str(out))
 
 
@@ -61,6 +58,5 @@ def synth(like: str, out: Path, seed: int, tiny: bool) -> None:
     try:
         write_synthetic(like, out, seed, small=tiny)
     except FileExistsError as exc:
-        click.echo(f"spark-edge: error: {exc}", err=True)
-        sys.exit(exit_codes.USAGE)
+        raise click.UsageError(str(exc)) from None
     click.echo(str(out))

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from spark_edge import exit_codes, weight_paths
+from spark_edge import weight_paths
 from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
@@ -41,13 +40,13 @@ def plan(model: Path | None, weight_path: str | None, priority: str, max_model_l
          memory_limit: int | None, process_layout: str, as_json: bool) -> None:
     """Predict load peak and steady anonymous RSS, and the context that fits: the plan `serve` runs with."""
     from spark_edge.planning.ceiling import serving_ceiling
-    from spark_edge.planning.memory_plan import PlanRefused
+    from spark_edge.errors import PlanRefused
     from spark_edge.planning.serving_plan import serving_plan
     from spark_edge.probe.device import probe_device
     from spark_edge.probe.weight_path_choice import select_weight_path
     from spark_edge.serving.checkpoint import built_weight_path
 
-    device = probe_device()  # a host or model refused here: the command group's exit codes (cli.EXIT_CODES)
+    device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
     choice = select_weight_path(device, priority, weight_path)  # as serve: refuses a host that cannot run it
     path = built_weight_path(model) or choice.name
     config = model_config(model)
@@ -57,6 +56,5 @@ def plan(model: Path | None, weight_path: str | None, priority: str, max_model_l
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))
-        click.echo(f"spark-edge: error: {exc}", err=True)
-        sys.exit(exit_codes.MEMORY)
+        raise  # the command group prints it and exits with its code
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else result.summary())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spark_edge.errors import PlanRefused
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.cpu_features import host_has_bf16_gemm
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
@@ -83,14 +84,6 @@ MIN_PREFILL_CHUNK = 128
 # +276 MiB for 512 tokens and +980 MiB for 2000 tokens in one 2048-token step (11.5 and
 # 10.5 bytes: fp32 logits, their log-softmax and the ranks)
 PROMPT_LOGPROBS_BYTES_PER_LOGIT = 12
-
-
-class PlanRefused(Exception):
-    """The model cannot be served under the ceiling even at the minimum context."""
-
-    def __init__(self, message: str, plan: "MemoryPlan"):
-        super().__init__(message)
-        self.plan = plan
 
 
 @dataclass(frozen=True)

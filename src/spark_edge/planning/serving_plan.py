@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling
-from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
+from spark_edge.errors import PlanRefused
+from spark_edge.planning.memory_plan import MemoryPlan, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile
 from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from spark_edge import exit_codes
 from spark_edge.probe.device import DeviceProfile, probe_device
-from spark_edge.probe.errors import UnsupportedHostError
+from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.weight_path_choice import PRIORITIES, WEIGHT_PATHS, WeightPathChoice, select_weight_path
 
 JSON_VERSION = 1  # bump when a key of `probe --json` changes meaning or disappears
@@ -41,8 +39,7 @@ def probe(as_json: bool, priority: str, weight_path: str | None, root: Path, mac
     else:
         click.echo(_table(profile, choice))
     if error is not None:
-        click.echo(f"spark-edge: error: {error}", err=True)
-        sys.exit(exit_codes.UNSUPPORTED_HOST)
+        raise UnsupportedHostError(error)  # after the table: what the host has, then why it is refused
 
 
 def _as_json(profile: DeviceProfile, priority: str, choice: WeightPathChoice | None, error: str | None) -> dict:

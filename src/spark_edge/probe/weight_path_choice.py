@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.probe.errors import UnsupportedHostError
+from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.isa import amx_missing_reason, amx_w4a8_ready, bf16_native, has_avx512, host_problem
 
 WEIGHT_PATHS = ("w4a8", "w4a16", "bf16")

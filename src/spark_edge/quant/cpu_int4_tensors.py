@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.quant.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
 
 PACKED, SCALE, ZERO = "weight_packed", "weight_scale", "weight_zero"

@@ -15,9 +15,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable
 
-
-class EngineDied(Exception):
-    """The engine process died while serving (the OOM killer's SIGKILL, a crash): the server must exit non-zero."""
+from spark_edge.errors import EngineDied
 
 
 def engine_death(engine_client: Any) -> str | None:

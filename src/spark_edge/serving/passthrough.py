@@ -18,6 +18,8 @@ from pathlib import Path
 
 import click
 
+from spark_edge.errors import InputFileError
+
 VLLM_ARGS_ENV = "SPARK_EDGE_VLLM_ARGS"  # the images' and manifests' way to pass vLLM options
 
 _MEMORY_PLAN = "spark-edge's memory plan sizes it"
@@ -53,10 +55,6 @@ ENV_DECIDED_BY_SPARK_EDGE: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "--process-layout",
 }
 _TLS_FILES = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
-
-
-class InputFileError(Exception):
-    """A file named by a vLLM option is missing, unreadable or malformed (exit 3, like a bad checkpoint)."""
 
 
 def describe(args: tuple[str, ...], env: dict[str, str], replaced: set[str]) -> str | None:

@@ -26,7 +26,7 @@ from spark_edge.planning.calibration import record_load_peak
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
 from spark_edge.planning.serving_plan import serving_plan
 from spark_edge.probe.device import DeviceProfile, probe_device
-from spark_edge.probe.errors import UnsupportedHostError
+from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors

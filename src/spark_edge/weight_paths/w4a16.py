@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 
 from spark_edge.checkpoints.architecture import Role, Structure, servable_structure
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings

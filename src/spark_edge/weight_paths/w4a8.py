@@ -44,7 +44,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, servable_structure
-from spark_edge.checkpoints.errors import CheckpointError
+from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.models import spark_layout
