@@ -22,14 +22,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 isa=${1:?usage: build-image.sh avx512|amx|arm}
-case "$isa" in
-    avx512|amx) arch=amd64 ;;
-    arm) arch=arm64 ;;
-    *) echo "build-image: unknown image $isa (avx512, amx or arm)" >&2; exit 2 ;;
-esac
+python=${PYTHON:-.venv/bin/python}
+# The image's build arguments (ISA, weight path, architecture, served name) from spark-edge's registry
+registry_args=$("$python" -m spark_edge.registry image-args "$isa") || exit 2
+registry_arg() { sed -n "s/^$1=//p" <<<"$registry_args"; }
+arch=$(registry_arg ARCH)
 tag=${IMAGE_TAG:-spark-edge:$isa}
 context=build/context/$isa
-python=${PYTHON:-.venv/bin/python}
 
 log() { echo "build-image[$isa]: $*" >&2; }
 
@@ -48,7 +47,7 @@ arm64_host_build() {
     # build/arm64/: site-packages and project (each skipped when its stamp matches), and the
     # checkpoint for the Dockerfile's WEIGHT_PATH (the builder leaves an up-to-date one alone).
     local weight_path
-    weight_path=$(sed -n 's/^ARG WEIGHT_PATH=//p' "Dockerfile.$isa")
+    weight_path=$(registry_arg WEIGHT_PATH)
     nice -n 19 "$python" docker/arm64/sitepackages.py "build/wheelhouse/$arch" build/arm64
     nice -n 19 "$python" -m spark_edge.cli build --weight-path "$weight_path" ${MODEL:+--model "$MODEL"} \
         --out "build/arm64/models/$arm64_served" >&2
@@ -79,13 +78,15 @@ assemble_context() {
 
 torch_wheel=$(find "build/wheelhouse/$arch" -name 'torch-*.whl' -printf '%f\n' | head -1)
 build_args=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_VERSION=$(echo "$torch_wheel" | cut -d- -f2)")
+while IFS= read -r arg; do
+    case "$arg" in SERVED_NAME=*) ;; *) build_args+=(--build-arg "$arg") ;; esac
+done <<<"$registry_args"
+served=${SERVED_NAME:-$(if [ -n "${MODEL:-}" ]; then served_name "$MODEL"; else registry_arg SERVED_NAME; fi)}
+build_args+=(--build-arg "SERVED_NAME=$served")
 if [ "$arch" = arm64 ]; then
-    arm64_served=${SERVED_NAME:-$(if [ -n "${MODEL:-}" ]; then served_name "$MODEL"; else
-                                  sed -n 's/^ARG SERVED_NAME=//p' "Dockerfile.$isa" | head -1; fi)}
-    build_args+=(--build-arg "SERVED_NAME=$arm64_served")
+    arm64_served=$served
 elif [ -n "${MODEL:-}" ]; then
-    build_args+=(--build-arg "MODEL=$(basename "$MODEL")"
-                 --build-arg "SERVED_NAME=${SERVED_NAME:-$(served_name "$MODEL")}")
+    build_args+=(--build-arg "MODEL=$(basename "$MODEL")")
 fi
 
 inputs_hash() {

@@ -23,6 +23,7 @@ from spark_edge.errors import PlanRefused
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.cpu_features import host_has_bf16_gemm
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
+from spark_edge.registry import weight_path as weight_path_spec
 
 MiB = 1 << 20
 
@@ -51,7 +52,7 @@ BF16_FACTOR_WITHOUT_BF16_HARDWARE = 2.15
 def resident_weight_bytes(shape: ModelShape, weight_path: str, group: int) -> int:
     """Weight bytes the server holds once loaded, on this host."""
     stored = weight_bytes(shape, weight_path, group)
-    if weight_path != "bf16":
+    if weight_path_spec(weight_path).quantization is not None:
         return stored
     if not host_has_bf16_gemm():
         return int(BF16_FACTOR_WITHOUT_BF16_HARDWARE * stored)
@@ -59,11 +60,9 @@ def resident_weight_bytes(shape: ModelShape, weight_path: str, group: int) -> in
 
 
 # Load-time excess over steady state: peak - settled measured 13 MiB on bf16 and w4a16
-# (vLLM's profiling run and our 2048-row repack chunks stay small).  The weight fraction
-# covers repack transients of larger tables; w4a8's repack (vLLM's own) is not yet measured
-# here, so it keeps a conservative half of its weights.
+# (vLLM's profiling run and our 2048-row repack chunks stay small).  Each path's weight fraction
+# (spark_edge.registry) covers repack transients of larger tables.
 LOAD_TRANSIENT_FIXED_BYTES = 16 * MiB
-LOAD_TRANSIENT_WEIGHT_FRACTION = {"bf16": 0.02, "w4a16": 0.02, "w4a8": 0.50}
 
 HEADROOM_FRACTION = 0.10
 MIN_HEADROOM_BYTES = 128 * MiB
@@ -193,7 +192,7 @@ def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context
         kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched),
         kv_tokens=kv_tokens,
         activation_bytes=activation_bytes(shape, batched, max_num_seqs),
-        load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(LOAD_TRANSIENT_WEIGHT_FRACTION[weight_path] * weights),
+        load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(weight_path_spec(weight_path).load_transient_fraction * weights),
         logits_transient_bytes=logits_transient_bytes(shape, batched),
         max_model_len=context,
         requested_max_model_len=requested,

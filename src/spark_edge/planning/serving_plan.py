@@ -8,24 +8,21 @@ baseline. So the limit `spark-edge plan` prints for a pod is the one `serve` wil
 
 from __future__ import annotations
 
+from spark_edge import registry
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling
 from spark_edge.errors import PlanRefused
 from spark_edge.planning.memory_plan import MemoryPlan, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE
 
 
 def quant_group(config: dict, weight_path: str, shape: ModelShape) -> int:
     """The 4-bit group a built checkpoint records; for a source not built yet, what its writer would choose."""
     if "group_size" in config.get("quantization_config", {}):
         return int(config["quantization_config"]["group_size"])
-    if weight_path == "w4a8":
-        from spark_edge.weight_paths.w4a8 import default_group_size
-
-        return default_group_size(k for _, k in shape.linear_shapes())
-    return DEFAULT_GROUP_SIZE
+    default = registry.weight_path(weight_path).default_group
+    return default(k for _, k in shape.linear_shapes()) if default else 0  # 0: not a grouped path
 
 
 def serving_plan(device: DeviceProfile, config: dict, weight_path: str, ceiling: Ceiling, max_model_len: int,

@@ -6,47 +6,27 @@ start; checking at start turns that into a message naming the image to pull inst
 
 from __future__ import annotations
 
+from spark_edge import registry
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.probe.isa import AVX512, amx_missing_reason, amx_w4a8_ready, has_avx512, host_problem
+from spark_edge.probe.isa import AVX512, amx_missing_reason, has_avx512, host_problem
 
-IMAGES = {
-    "amx": "spark-edge:amx",
-    "avx512": "spark-edge:avx512",
-    "arm64": "spark-edge:arm",
-}
-
-_NEEDS = {
-    "amx": "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
-    "avx512": "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
-    "arm64": "an arm64 CPU with NEON (asimd)",
-}
+IMAGES = {isa: image.tag for isa, image in registry.IMAGES.items()}
 
 
 def image_fits(image_isa: str, profile: DeviceProfile) -> bool:
-    if image_isa not in IMAGES:
-        raise ValueError(f"unknown image ISA {image_isa!r}; known: {', '.join(IMAGES)}")
-    if host_problem(profile) is not None:
-        return False
-    if image_isa == "amx":
-        return amx_w4a8_ready(profile) and has_avx512(profile)
-    if image_isa == "avx512":
-        return has_avx512(profile)
-    return profile.machine == "aarch64"
+    return registry.image(image_isa).fits(profile)
 
 
 def recommended_image(profile: DeviceProfile) -> str | None:
-    """The most specific image this host runs, or None when no image fits."""
-    for isa in ("amx", "avx512", "arm64"):
-        if image_fits(isa, profile):
-            return IMAGES[isa]
-    return None
+    """The most specific image this host runs (the registry lists them in that order), or None when none fits."""
+    return next((image.tag for image in registry.IMAGES.values() if image.fits(profile)), None)
 
 
 def image_isa_problem(image_isa: str, profile: DeviceProfile) -> str | None:
     """None when an image built for `image_isa` runs here; otherwise a message naming what to use."""
     if image_fits(image_isa, profile):
         return None
-    message = f"{IMAGES[image_isa]} needs {_NEEDS[image_isa]}, and {_why_not(image_isa, profile)}"
+    message = f"{IMAGES[image_isa]} needs {registry.image(image_isa).needs}, and {_why_not(image_isa, profile)}"
     instead = recommended_image(profile)
     if instead is not None:
         return f"{message}: use {instead} instead"

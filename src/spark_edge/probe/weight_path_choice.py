@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spark_edge import registry
 from spark_edge.probe.device import DeviceProfile
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.isa import amx_missing_reason, amx_w4a8_ready, bf16_native, has_avx512, host_problem
 
-WEIGHT_PATHS = ("w4a8", "w4a16", "bf16")
+WEIGHT_PATHS = tuple(registry.WEIGHT_PATHS)
 PRIORITIES = ("speed", "fidelity")
 
 
@@ -80,9 +81,9 @@ def _arm_w4a16(profile: DeviceProfile, reason: str) -> WeightPathChoice:
 
 def _explicit(profile: DeviceProfile, name: str) -> WeightPathChoice:
     reason = f"{name} was asked for explicitly"
-    if name == "w4a8" and profile.machine == "aarch64":
-        raise UnsupportedHostError(
-            "w4a8 is the export for vLLM's x86 AMX kernel (AMX is an x86-64 extension): use --weight-path w4a16")
+    refusal = registry.weight_path(name).refusal(profile)
+    if refusal is not None:
+        raise UnsupportedHostError(refusal)
     if name == "w4a8" and not amx_w4a8_ready(profile):
         # vLLM runs a w4a8 (GPTQ) checkpoint without AMX through its W4A16 vector kernel: it
         # works, but it is not the AMX path, so say so rather than refuse (benchmarks use it).

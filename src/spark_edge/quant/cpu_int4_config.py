@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from spark_edge.registry import W4A16_GROUP
+
 QUANT_METHOD = "cpu_int4"
 BITS = 4
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
-DEFAULT_GROUP_SIZE = 32  # SmolLM2's weights came from Q4_1 (groups of 32): g32 keeps ppl near bf16
+DEFAULT_GROUP_SIZE = W4A16_GROUP  # the w4a16 path's, recorded in the registry
 
 _FIELDS = ("quant_method", "bits", "group_size", "quantize_embedding", "direct_dequant")
 

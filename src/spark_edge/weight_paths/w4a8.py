@@ -39,7 +39,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -50,6 +50,7 @@ from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.models import spark_layout
 from spark_edge.quant import gptq_layout
 from spark_edge.quant.int4_sym import SCALE_DTYPE
+from spark_edge.registry import W4A8_GROUPS, w4a8_group
 
 REPORT_NAME = "quantization_report.json"
 LM_HEAD = "lm_head.weight"  # what vLLM's GPTQ loader reads the quantized head from
@@ -57,8 +58,7 @@ QKV = ".self_attn.qkv_proj."
 FUSED_QKV = (QKV, spark_layout.QKV)
 GATE_UP = ".mlp.gate_up_proj."
 
-# vLLM's GPTQ config accepts these group sizes (and -1, one group per row, not offered)
-GROUP_SIZES = (128, 64, 32)
+GROUP_SIZES = W4A8_GROUPS  # vLLM's GPTQ config accepts these (the registry records them with the default)
 # vLLM's CPU GPTQ kernel needs K and N of every Linear to be multiples of 32
 KERNEL_MULTIPLE = 32
 # ParallelLMHead pads the vocabulary to a multiple of 64; a quantized head only loads
@@ -186,15 +186,6 @@ def _check_kernel_shape(item: _Item) -> None:
         )
 
 
-def default_group_size(ks: Iterable[int]) -> int:
-    """The largest group vLLM's GPTQ method accepts that divides every K (the plan uses it for unbuilt sources)."""
-    ks = sorted(set(ks))
-    for g in GROUP_SIZES:
-        if all(k % g == 0 for k in ks):
-            return g
-    raise CheckpointError(f"w4a8: no group size of {GROUP_SIZES} divides every K ({ks})")
-
-
 def _choose_group_size(items: list[_Item], requested: int | None) -> int:
     if requested is not None:
         for item in items:
@@ -203,7 +194,7 @@ def _choose_group_size(items: list[_Item], requested: int | None) -> int:
                     f"w4a8: group_size {requested} does not divide K={item.shape[1]} of {item.out}"
                 )
         return requested
-    return default_group_size(item.shape[1] for item in items if item.action == "gptq")
+    return w4a8_group(item.shape[1] for item in items if item.action == "gptq")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,203 @@
+"""Every weight path and every container image, recorded once; the modules that need one read it here.
+
+A weight path is how a checkpoint stores its weights and which kernel runs them: its writer (the module
+that fills a checkpoint folder), the quantization method vLLM reads from its config.json, what the memory
+plan needs of it (the bytes it holds for a model shape, its load transient), the 4-bit group it defaults to
+and what the host needs to run it. An image is a Dockerfile built for one ISA around one weight path.
+
+Adding a weight path means an entry in WEIGHT_PATHS and its own writer module (spark_edge/weight_paths/); an
+image, an entry in IMAGES and its Dockerfile. Torch-free, so `plan`, `probe` and `--help` stay quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from spark_edge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from spark_edge.checkpoints.sources import CheckpointSource
+    from spark_edge.planning.model_shape import ModelShape
+    from spark_edge.probe.device import DeviceProfile
+
+WeightWriter = Callable[["CheckpointSource", "Path", dict[str, Any]], dict[str, Any]]
+BF16 = 2
+
+
+@dataclass(frozen=True)
+class WeightPath:
+    name: str
+    summary: str
+    writer: str  # "module:function", imported on use (quantizers pull in torch)
+    quantization: str | None  # the method vLLM reads from config.json; None: plain bf16 tensors
+    stored_bytes: Callable[[ModelShape, int], int]  # resident weight bytes for a shape and 4-bit group
+    # load peak over settled, as a fraction of the weights (the plan's load transient)
+    load_transient_fraction: float
+    default_group: Callable[[Iterable[int]], int] | None  # the linears' K dims -> group (None: not grouped)
+    refusal: Callable[[DeviceProfile], str | None] = lambda _: None  # why a host cannot run it at all
+
+    def write(self) -> WeightWriter:
+        module, function = self.writer.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+# --- bf16 ---------------------------------------------------------------------------------------------
+
+def _bf16_bytes(shape: ModelShape, group: int) -> int:
+    embedding = BF16 * shape.vocab * shape.hidden
+    head = 0 if shape.tied_embeddings else embedding
+    return sum(BF16 * n * k for n, k in shape.linear_shapes()) + embedding + head + BF16 * shape.norm_params()
+
+
+# --- w4a16: spark-edge's cpu_int4 ---------------------------------------------------------------------
+
+W4A16_GROUP = 32  # SmolLM2's weights came from Q4_1 (groups of 32): g32 keeps its perplexity near bf16
+
+
+def _w4a16_linear(n: int, k: int, group: int) -> int:
+    return n * k // 2 + 2 * BF16 * n * (k // group)  # nibbles, plus a bf16 scale and a bf16 offset per group
+
+
+def _w4a16_bytes(shape: ModelShape, group: int) -> int:
+    # the embedding is quantized once and, when tied, shared with the head
+    table = _w4a16_linear(shape.vocab, shape.hidden, group)
+    head = 0 if shape.tied_embeddings else table
+    return sum(_w4a16_linear(n, k, group) for n, k in shape.linear_shapes()) + table + head + BF16 * shape.norm_params()
+
+
+# --- w4a8: GPTQ for vLLM's AMX kernel -----------------------------------------------------------------
+
+W4A8_GROUPS = (128, 64, 32)  # what vLLM's GPTQ config accepts (and -1, one group per row, not offered)
+
+
+def _w4a8_linear(n: int, k: int, group: int) -> int:
+    # int32 qweight (nibbles), a 16-bit scale per group, int32 qzeros (8 per word), int32 g_idx
+    return n * k // 2 + BF16 * n * (k // group) + 4 * (k // group) * (n // 8) + 4 * k
+
+
+def _w4a8_bytes(shape: ModelShape, group: int) -> int:
+    # a bf16 table for the lookup plus a separate 4-bit head
+    linears = sum(_w4a8_linear(n, k, group) for n, k in shape.linear_shapes())
+    return linears + BF16 * shape.vocab * shape.hidden + _w4a8_linear(shape.vocab, shape.hidden, group) + \
+        BF16 * shape.norm_params()
+
+
+def w4a8_group(ks: Iterable[int]) -> int:
+    """The largest group vLLM's GPTQ method accepts that divides every K."""
+    ks = sorted(set(ks))
+    for g in W4A8_GROUPS:
+        if all(k % g == 0 for k in ks):
+            return g
+    raise CheckpointError(f"w4a8: no group size of {W4A8_GROUPS} divides every K ({ks})")
+
+
+def _w4a8_refusal(profile: DeviceProfile) -> str | None:
+    if profile.machine == "aarch64":
+        return "w4a8 is the export for vLLM's x86 AMX kernel (AMX is an x86-64 extension): use --weight-path w4a16"
+    return None
+
+
+WEIGHT_PATHS: dict[str, WeightPath] = {p.name: p for p in (
+    WeightPath("bf16", "the source's weights cast to bfloat16, unquantized",
+               "spark_edge.weight_paths.bf16:write_bf16", None, _bf16_bytes, 0.02, None),
+    WeightPath("w4a16", "4-bit group-wise weights, bf16 activations (spark-edge's cpu_int4 kernels)",
+               "spark_edge.weight_paths.w4a16:write_w4a16", "cpu_int4", _w4a16_bytes, 0.02,
+               lambda ks: W4A16_GROUP),
+    # vLLM's own repack at load is not measured yet: a conservative half of the weights
+    WeightPath("w4a8", "symmetric 4-bit GPTQ weights, int8 activations (vLLM's AMX W4A8 kernel)",
+               "spark_edge.weight_paths.w4a8:write_w4a8", "gptq", _w4a8_bytes, 0.50, w4a8_group,
+               _w4a8_refusal),
+)}
+
+
+def weight_path(name: str) -> WeightPath:
+    try:
+        return WEIGHT_PATHS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight path {name!r} (known: {', '.join(WEIGHT_PATHS)})") from None
+
+
+# --- images -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Image:
+    isa: str  # the probe's name for the CPU family it targets
+    name: str  # of its Dockerfile, make target and tag
+    tag: str
+    weight_path: str
+    needs: str  # what the host must have, said to a user whose host lacks it
+    fits: Callable[[DeviceProfile], bool]  # the probe's requirement
+    arch: str  # the Debian/docker architecture it is built for
+    build_args: dict[str, str] = field(default_factory=dict)  # beyond IMAGE_ISA, WEIGHT_PATH and ARCH
+
+    @property
+    def dockerfile(self) -> str:
+        return f"Dockerfile.{self.name}"
+
+    def docker_build_args(self) -> dict[str, str]:
+        from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+        return {"IMAGE_ISA": self.isa, "WEIGHT_PATH": self.weight_path, "ARCH": self.arch,
+                "SERVED_NAME": DEFAULT_MODEL_ID, **self.build_args}
+
+
+# The probe's requirements. spark_edge.probe imports this module: its ISA questions are imported on use.
+
+def _amx(profile: DeviceProfile) -> bool:
+    from spark_edge.probe.isa import amx_w4a8_ready, has_avx512, host_problem
+
+    return host_problem(profile) is None and amx_w4a8_ready(profile) and has_avx512(profile)
+
+
+def _avx512(profile: DeviceProfile) -> bool:
+    from spark_edge.probe.isa import has_avx512, host_problem
+
+    return host_problem(profile) is None and has_avx512(profile)
+
+
+def _arm64(profile: DeviceProfile) -> bool:
+    from spark_edge.probe.isa import host_problem
+
+    return host_problem(profile) is None and profile.machine == "aarch64"
+
+
+# In order of preference: the most specific image a host runs is the one recommended.
+IMAGES: dict[str, Image] = {i.isa: i for i in (
+    Image("amx", "amx", "spark-edge:amx", "w4a8", "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
+          _amx, "amd64"),
+    Image("avx512", "avx512", "spark-edge:avx512", "w4a16", "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
+          _avx512, "amd64"),
+    Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)",
+          _arm64, "arm64"),
+)}
+
+
+def image(isa: str) -> Image:
+    try:
+        return IMAGES[isa]
+    except KeyError:
+        raise ValueError(f"unknown image ISA {isa!r}; known: {', '.join(IMAGES)}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spark_edge.registry image-args NAME`: the Docker build arguments of the image whose
+    Dockerfile is Dockerfile.NAME, as KEY=VALUE lines (docker/build-image.sh passes them to the build)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    names = {i.name: i for i in IMAGES.values()}
+    if len(args) != 2 or args[0] != "image-args" or args[1] not in names:
+        print(f"usage: python -m spark_edge.registry image-args {'|'.join(names)}", file=sys.stderr)
+        return 2
+    chosen = names[args[1]]
+    for key, value in chosen.docker_build_args().items():
+        print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
