@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
 
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+from spark_edge.serving.server_process import ServerProcess, free_port
 
 SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
 SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session's servers require it on /v1/*
@@ -63,12 +60,6 @@ def flip_middle_byte(path: Path) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def single_process_tp_group() -> Iterator[None]:
     """A fixture body: a single-process tensor-parallel group, what vLLM's layers ask for at
     construction; torn down afterwards unless something else had already set one up."""
@@ -78,8 +69,13 @@ def single_process_tp_group() -> Iterator[None]:
     with set_current_vllm_config(VllmConfig()):
         owned = not ps.model_parallel_is_initialized()
         if owned:
-            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                            distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ps.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            )
             ps.initialize_model_parallel(1, 1)
         yield
         if owned:
@@ -87,33 +83,56 @@ def single_process_tp_group() -> Iterator[None]:
             ps.destroy_distributed_environment()
 
 
-class Server:
-    def __init__(self, args: list[str], home: Path, log_path: Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None, wrap: list[str] | None = None, tls_ca: Path | None = None):
+class Server(ServerProcess):
+    """`spark-edge serve ARGS` on a free port, launched at once; wait_ready() and stop() are ServerProcess's
+    (errors carry the log's tail, stop() returns the exit code), with the test clients' helpers on top."""
+
+    def __init__(
+        self,
+        args: list[str],
+        home: Path,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        wrap: list[str] | None = None,
+        tls_ca: Path | None = None,
+    ):
         """`wrap`: an argv prefix that execs the server (e.g. `sh -c 'echo $$ > cgroup.procs; exec "$@"' sh`);
         `tls_ca`: the server speaks HTTPS (its vLLM options say so), verified against this certificate."""
         self.home = home
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.verify: str | bool = str(tls_ca) if tls_ca else True
         self.port = free_port()
         self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
-        self.log_path = log_path
         full_env = {**os.environ, "SPARK_EDGE_HOME": str(home), **(env or {})}
         if api_key:
             full_env["SPARK_EDGE_API_KEY"] = api_key
         cmd = [*(wrap or []), sys.executable, "-m", "spark_edge.cli", "serve", "--port", str(self.port), *args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        super().__init__(
+            cmd,
+            f"{self.url}/health",
+            log_path,
+            full_env,
+            append=False,
+            poll_s=1,
+            verify=str(tls_ca) if tls_ca else True,
+        )
+        self.start()
 
     def get(self, path: str, **kw) -> requests.Response:
-        return requests.get(f"{self.url}{path}", headers=self.headers, timeout=kw.pop("timeout", 30),
-                            verify=self.verify, **kw)
+        return requests.get(
+            f"{self.url}{path}", headers=self.headers, timeout=kw.pop("timeout", 30), verify=self.verify, **kw
+        )
 
     def post(self, path: str, body: dict, **kw) -> requests.Response:
-        return requests.post(f"{self.url}{path}", json=body, headers=self.headers, timeout=kw.pop("timeout", 300),
-                             verify=self.verify, **kw)
+        return requests.post(
+            f"{self.url}{path}",
+            json=body,
+            headers=self.headers,
+            timeout=kw.pop("timeout", 300),
+            verify=self.verify,
+            **kw,
+        )
 
     def next_token_logprobs(self, prompt: str | list[str], model: str, k: int = PARIS_TOP_K) -> list[dict[str, float]]:
         """The top-k next tokens (decoded text -> log-prob) after each prompt, one generated token."""
@@ -124,41 +143,23 @@ class Server:
         return [c["logprobs"]["top_logprobs"][0] for c in choices]
 
     def assert_knows_paris(self, model: str, prompts: int = 1) -> None:
-        """" Paris" after PARIS_PROMPT, with the margin above; `prompts` copies in one request (a batch)."""
+        """ " Paris" after PARIS_PROMPT, with the margin above; `prompts` copies in one request (a batch)."""
         batch = [PARIS_PROMPT] * prompts if prompts > 1 else PARIS_PROMPT
         for top in self.next_token_logprobs(batch, model):
             assert " Paris" in top and top[" Paris"] >= PARIS_MIN_LOGPROB, f"next tokens: {top}"
 
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 60) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+    def wait_ready(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> float:
+        return super().wait_ready(timeout_s)
 
 
-def running_server(name: str, args: list[str], home: Path, tmp_path_factory: pytest.TempPathFactory,
-                   env: dict[str, str] | None = None, tls_ca: Path | None = None) -> Iterator[Server]:
+def running_server(
+    name: str,
+    args: list[str],
+    home: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    env: dict[str, str] | None = None,
+    tls_ca: Path | None = None,
+) -> Iterator[Server]:
     """A fixture body: `spark-edge serve ARGS` with the session's API key, ready, stopped afterwards."""
     log = tmp_path_factory.mktemp("logs") / f"{name}.log"
     server = Server(args, home, log, env=env, api_key=SESSION_API_KEY, tls_ca=tls_ca)
@@ -170,7 +171,9 @@ def running_server(name: str, args: list[str], home: Path, tmp_path_factory: pyt
 
 
 @pytest.fixture(scope="session")
-def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def bf16_server(
+    bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """`spark-edge serve` as the README runs it (the default model, bf16), shared by the whole session.
 
     The checkpoint fixture has already built the model where serve looks, so serve's own
@@ -180,7 +183,9 @@ def bf16_server(bf16_checkpoint: Path, spark_edge_home: Path, tmp_path_factory: 
 
 
 @pytest.fixture(scope="session")
-def w4a16_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def w4a16_server(
+    spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """`spark-edge serve --weight-path w4a16`: builds the default model's w4a16 checkpoint on first use.
 
     It depends on bf16_server only to be started after it, never beside a cold compile of it.
@@ -189,7 +194,9 @@ def w4a16_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: p
 
 
 @pytest.fixture(scope="session")
-def w4a8_server(spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def w4a8_server(
+    spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """`spark-edge serve --weight-path w4a8`: vLLM's GPTQ path (the AMX W4A8 kernel where AMX is usable,
     its W4A16 vector kernel elsewhere)."""
     yield from running_server("w4a8_server", ["--weight-path", "w4a8"], spark_edge_home, tmp_path_factory)

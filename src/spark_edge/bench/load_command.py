@@ -9,10 +9,10 @@ a second run starts warm), loaded, and stopped.
 from __future__ import annotations
 
 import json
-import subprocess
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import click
 
@@ -23,45 +23,74 @@ DEFAULT_DURATION_S = 180
 
 
 def load_options(f: Callable) -> Callable:
-    for option in reversed([
-        click.option("--load", is_flag=True,
-                     help="Run the load test instead: concurrent streaming clients for --duration seconds, "
-                          "zero errors expected, RSS against the plan, TTFT p50/p95 and throughput."),
-        click.option("--clients", type=click.IntRange(1), default=4, show_default=True, help="--load: clients."),
-        click.option("--duration", type=click.FloatRange(1), default=DEFAULT_DURATION_S, show_default=True,
-                     help="--load: seconds during which clients start requests."),
-        click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True,
-                     help="--load: tokens generated per request."),
-        click.option("--prompt-words", type=click.IntRange(1), default=128, show_default=True,
-                     help="--load: random words per prompt."),
-        click.option("--url", default=None, help="--load: a running server to load (default: serve each arm)."),
-        click.option("--api-key", default=None, envvar="SPARK_EDGE_API_KEY",
-                     help="--load with --url: the server's API key."),
-    ]):
+    for option in reversed(
+        [
+            click.option(
+                "--load",
+                is_flag=True,
+                help="Run the load test instead: concurrent streaming clients for --duration seconds, "
+                "zero errors expected, RSS against the plan, TTFT p50/p95 and throughput.",
+            ),
+            click.option("--clients", type=click.IntRange(1), default=4, show_default=True, help="--load: clients."),
+            click.option(
+                "--duration",
+                type=click.FloatRange(1),
+                default=DEFAULT_DURATION_S,
+                show_default=True,
+                help="--load: seconds during which clients start requests.",
+            ),
+            click.option(
+                "--max-tokens",
+                type=click.IntRange(1),
+                default=64,
+                show_default=True,
+                help="--load: tokens generated per request.",
+            ),
+            click.option(
+                "--prompt-words",
+                type=click.IntRange(1),
+                default=128,
+                show_default=True,
+                help="--load: random words per prompt.",
+            ),
+            click.option("--url", default=None, help="--load: a running server to load (default: serve each arm)."),
+            click.option(
+                "--api-key", default=None, envvar="SPARK_EDGE_API_KEY", help="--load with --url: the server's API key."
+            ),
+        ]
+    ):
         f = option(f)
     return f
 
 
 @contextmanager
-def _served_arm(tag: str, checkpoint: Path, serve_args: tuple[str, ...], env: dict[str, str], home: Path,
-                log_path: Path) -> Iterator[str]:
-    from spark_edge.bench.server_arm import _stop, _wait_ready, free_port, spark_edge_launch
+def _served_arm(
+    tag: str, checkpoint: Path, serve_args: tuple[str, ...], env: dict[str, str], home: Path, log_path: Path
+) -> Iterator[str]:
+    from spark_edge.bench.server_arm import spark_edge_launch
+    from spark_edge.serving.server_process import ServerProcess, free_port
 
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     launch = spark_edge_launch(tag, checkpoint, home, port, serve_args, env)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(launch.cmd, stdout=log, stderr=subprocess.STDOUT, env=launch.env,
-                                start_new_session=True)
-        try:
-            _wait_ready(proc, f"http://127.0.0.1:{port}", 900)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            _stop(proc)
+    # no log tail in the error: the log's path was printed when the arm started
+    with ServerProcess(launch.cmd, f"{url}/health", log_path, launch.env, tail_lines=0) as server:
+        server.wait_ready(900)
+        yield url
 
 
-def run_load_bench(model: Path | None, paths: str, out: Path, clients: int, duration: float, max_tokens: int,
-                   prompt_words: int, url: str | None, api_key: str | None,
-                   log: Callable[[str], None]) -> dict[str, LoadReport]:
+def run_load_bench(
+    model: Path | None,
+    paths: str,
+    out: Path,
+    clients: int,
+    duration: float,
+    max_tokens: int,
+    prompt_words: int,
+    url: str | None,
+    api_key: str | None,
+    log: Callable[[str], None],
+) -> dict[str, LoadReport]:
     """Run the load per arm (or once against --url); print the table, write JSON; exit 1 on any error."""
     from spark_edge.bench.load import format_load_table, run_load
 
@@ -81,8 +110,9 @@ def run_load_bench(model: Path | None, paths: str, out: Path, clients: int, dura
     return reports
 
 
-def _load_each_arm(model: Path | None, paths: str, load: Callable[[str, str | None], LoadReport],
-                   log: Callable[[str], None]) -> dict[str, LoadReport]:
+def _load_each_arm(
+    model: Path | None, paths: str, load: Callable[[str, str | None], LoadReport], log: Callable[[str], None]
+) -> dict[str, LoadReport]:
     from spark_edge.bench.command import arm_checkpoint, parse_arm, run_log_dir
     from spark_edge.paths import spark_edge_home
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import requests
 from spark_edge.bench.fidelity import score
 from spark_edge.bench.streams import concurrent_streams, random_prompt, stream_completion
 from spark_edge.metrics.process_tree import TreeRssSampler
+from spark_edge.serving.server_process import ServerProcess, free_port, stop_group, wait_until_answers
 
 MiB = 1 << 20
 
@@ -46,12 +45,6 @@ class ArmResult:
     top1: list[int] = field(default_factory=list, repr=False)  # teacher-forced top-1 tokens, when scored
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Client:
     def __init__(self, url: str, model: str, vocab: int, seed: int):
         self.url, self.model, self.vocab = url, model, vocab
@@ -61,8 +54,13 @@ class _Client:
         return random_prompt(self.rng, self.vocab, n)
 
     def complete(self, n_prompt: int, n_gen: int) -> float:
-        body = {"model": self.model, "prompt": self._prompt(n_prompt), "max_tokens": n_gen, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "prompt": self._prompt(n_prompt),
+            "max_tokens": n_gen,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         start = time.perf_counter()
         reply = requests.post(f"{self.url}/v1/completions", json=body, timeout=600)
         elapsed = time.perf_counter() - start
@@ -79,28 +77,14 @@ def _timed_get(url: str) -> float:
     return time.perf_counter() - start
 
 
+# For a server the caller launched itself (tests/test_bench_peer.py starts llama-server so): ServerProcess's
+# readiness check and stop, on a bare Popen.
 def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"not ready after {timeout_s} s")
+    wait_until_answers(proc, f"{url}/health", timeout_s)
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_group(proc)
 
 
 CONCURRENCY = (1, 4, 8)
@@ -118,46 +102,76 @@ def measure_streamed(url: str, model: str, vocab: int, seed: int, reps: int) -> 
 @dataclass(frozen=True)
 class Launch:
     """How to start one arm's server: its command, environment, model name and compile-cache state."""
+
     cmd: list[str]
     env: dict[str, str]
     model: str
     cache: str = "cold"  # "cold" or "warm"
 
 
-def spark_edge_launch(tag: str, checkpoint: Path, home: Path, port: int, serve_args: tuple[str, ...] = (),
-                      env: dict[str, str] | None = None) -> Launch:
+def spark_edge_launch(
+    tag: str,
+    checkpoint: Path,
+    home: Path,
+    port: int,
+    serve_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Launch:
     arm_home = home / "arms" / tag  # its own data folder, hence its own compile cache
     cache = "warm" if (arm_home / "vllm-cache").exists() else "cold"
-    cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(checkpoint), "--port", str(port),
-           *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spark_edge.cli",
+        "serve",
+        "--model",
+        str(checkpoint),
+        "--port",
+        str(port),
+        *serve_args,
+    ]
     full_env = {**os.environ, "SPARK_EDGE_HOME": str(arm_home), **(env or {})}
     full_env.pop("SPARK_EDGE_API_KEY", None)  # the bench talks to its own servers without a key
     return Launch(cmd, full_env, checkpoint.name, cache)
 
 
-def run_arm(tag: str, checkpoint: Path, vocab: int, home: Path, log_path: Path, reps: int = 3,
-            serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
-            served: bool = False) -> ArmResult:
+def run_arm(
+    tag: str,
+    checkpoint: Path,
+    vocab: int,
+    home: Path,
+    log_path: Path,
+    reps: int = 3,
+    serve_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 900,
+    fidelity_windows: list[list[int]] | None = None,
+    served: bool = False,
+) -> ArmResult:
     """One spark-edge arm: `spark-edge serve` on a built checkpoint."""
     port = free_port()
     launch = spark_edge_launch(tag, checkpoint, home, port, serve_args, env)
     return measure_server(tag, launch, port, vocab, log_path, reps, ready_timeout_s, fidelity_windows, served)
 
 
-def measure_server(tag: str, launch: Launch, port: int, vocab: int, log_path: Path, reps: int = 3,
-                   ready_timeout_s: float = 900, fidelity_windows: list[list[int]] | None = None,
-                   served: bool = False) -> ArmResult:
+def measure_server(
+    tag: str,
+    launch: Launch,
+    port: int,
+    vocab: int,
+    log_path: Path,
+    reps: int = 3,
+    ready_timeout_s: float = 900,
+    fidelity_windows: list[list[int]] | None = None,
+    served: bool = False,
+) -> ArmResult:
     """Start a server speaking the OpenAI API (spark-edge or a peer), measure it the same way, stop it."""
     url = f"http://127.0.0.1:{port}"
-    with open(log_path, "ab") as log:
-        start = time.monotonic()
-        proc = subprocess.Popen(launch.cmd, stdout=log, stderr=subprocess.STDOUT, env=launch.env,
-                                start_new_session=True)
-        sampler = TreeRssSampler(proc.pid).start()
+    # no log tail in the error: it is the arm's result, and the bench names the log beside it
+    with ServerProcess(launch.cmd, f"{url}/health", log_path, launch.env, tail_lines=0) as server:
+        sampler = TreeRssSampler(server.pid).start()
         try:
-            _wait_ready(proc, url, ready_timeout_s)
-            ready_s = time.monotonic() - start
+            ready_s = server.wait_ready(ready_timeout_s)
             load_peak = sampler.peak
             time.sleep(3)  # let the allocator settle before reading the idle figure
             settled = sampler.current
@@ -167,8 +181,9 @@ def measure_server(tag: str, launch: Launch, port: int, vocab: int, log_path: Pa
             t1 = min(client.complete(1, 1) for _ in range(reps))
             t128 = min(client.complete(1, 128) for _ in range(reps))
             scrape = min(_timed_get(f"{url}/metrics") for _ in range(5))
-            result = ArmResult(tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak,
-                               launch.cache, scrape)
+            result = ArmResult(
+                tag, ready_s, load_peak, settled, 512 / pp, 127 / (t128 - t1), sampler.peak, launch.cache, scrape
+            )
             if served:
                 result.served = measure_streamed(url, launch.model, vocab, zlib.crc32(tag.encode()), reps)
             if fidelity_windows:
@@ -177,4 +192,3 @@ def measure_server(tag: str, launch: Launch, port: int, vocab: int, log_path: Pa
             return result
         finally:
             sampler.stop()
-            _stop(proc)

@@ -8,14 +8,14 @@ from click.testing import CliRunner
 
 from spark_edge import exit_codes
 from spark_edge.cli import main, serve
-from spark_edge.settings_table import README, readme_as_generated
-from spark_edge.settings_table import main as settings_table
+from spark_edge.readme_tables import README, readme_as_generated
+from spark_edge.readme_tables import main as readme_tables
 
 
 def test_the_readme_table_is_what_cli_declares() -> None:
     assert readme_as_generated(README.read_text()) == README.read_text(), (
-        "README.md's serve settings or exit code table is stale: run python -m spark_edge.settings_table")
-    assert settings_table(["--check"]) == 0
+        "README.md's serve settings or exit code table is stale: run python -m spark_edge.readme_tables")
+    assert readme_tables(["--check"]) == 0
 
 
 def test_every_serve_option_has_its_variable_shown_in_help() -> None:
