@@ -14,7 +14,8 @@ from spark_edge.readme_tables import main as readme_tables
 
 def test_the_readme_table_is_what_cli_declares() -> None:
     assert readme_as_generated(README.read_text()) == README.read_text(), (
-        "README.md's serve settings or exit code table is stale: run python -m spark_edge.readme_tables")
+        "README.md's serve settings or exit code table is stale: run python -m spark_edge.readme_tables"
+    )
     assert readme_tables(["--check"]) == 0
 
 
@@ -28,8 +29,11 @@ def test_every_serve_option_has_its_variable_shown_in_help() -> None:
 
 
 def test_a_bad_value_in_a_variable_is_a_usage_error_naming_it() -> None:
-    for variable, value in (("SPARK_EDGE_PORT", "abc"), ("SPARK_EDGE_WEIGHT_PATH", "w9"),
-                            ("SPARK_EDGE_MAX_REQUEST_BYTES", "12")):
+    for variable, value in (
+        ("SPARK_EDGE_PORT", "abc"),
+        ("SPARK_EDGE_WEIGHT_PATH", "w9"),
+        ("SPARK_EDGE_MAX_REQUEST_BYTES", "12"),
+    ):
         result = CliRunner().invoke(main, ["serve"], env={variable: value})
         assert result.exit_code == exit_codes.USAGE, (variable, result.output)
         assert f"env var: '{variable}'" in result.output, result.output

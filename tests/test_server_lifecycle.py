@@ -16,21 +16,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import requests
 
-from conftest import Server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
-from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.errors import PlanRefused
+from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.memory_plan import MiB, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import probe_device
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
@@ -45,6 +46,7 @@ GUARD_JSON = b'"allow_tf32":false,"autocast_state"'  # see test_cache_digests: o
 
 
 # --- a memory cgroup made here ---------------------------------------------------------------------
+
 
 @dataclass
 class MemoryCgroup:
@@ -100,6 +102,7 @@ def make_memory_cgroup(name: str, limit: int) -> MemoryCgroup:
 
 # --- what the plan says, for the default model ----------------------------------------------------
 
+
 def plan_bands(shape: ModelShape) -> dict[object, tuple[int, int]]:
     """Ceiling ranges [lo, hi) in bytes -> what the plan does there: a context, or "refused"."""
     bands: dict[object, tuple[int, int]] = {}
@@ -130,6 +133,7 @@ def reduced(shape: ModelShape) -> tuple[int, int]:
 
 # --- the server under the limit -------------------------------------------------------------------
 
+
 @dataclass
 class Limited:
     cgroup: MemoryCgroup
@@ -141,9 +145,18 @@ class Limited:
     lives: list[Server] = field(default_factory=list)
 
     def start(self, name: str) -> Server:
-        args = ["--weight-path", "bf16", "--max-model-len", str(REQUESTED_CONTEXT), "--max-num-seqs",
-                str(MAX_NUM_SEQS), "--api-key-file", str(self.key_file),
-                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        args = [
+            "--weight-path",
+            "bf16",
+            "--max-model-len",
+            str(REQUESTED_CONTEXT),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--api-key-file",
+            str(self.key_file),
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+        ]
         server = Server(args, self.home, self.logs / f"{name}.log", wrap=self.cgroup.enter)
         server.api_key, server.headers = KEY, {"Authorization": f"Bearer {KEY}"}
         self.lives.append(server)
@@ -156,8 +169,9 @@ class Limited:
 
 
 @pytest.fixture(scope="module")
-def limited(bf16_checkpoint: Path, reduced: tuple[int, int],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+def limited(
+    bf16_checkpoint: Path, reduced: tuple[int, int], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Limited]:
     home = tmp_path_factory.mktemp("lifecycle-home")
     # the session's bf16 build, hard-linked where serve looks: checked against its manifest, not rebuilt
     target = home / "checkpoints" / bf16_checkpoint.name
@@ -188,28 +202,51 @@ def _stopped(server: Server) -> None:
 
 
 def _scrape(server: Server) -> dict[str, float]:
+    """Each series of /metrics summed over its label sets (the compile-cache misses have one per reason), and
+    each labelled sample as `name{k=v}`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(f"{server.url}/metrics", timeout=30).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    samples: dict[str, float] = {}
+    for s in (s for f in text_string_to_metric_families(text) for s in f.samples):
+        samples[s.name] = samples.get(s.name, 0.0) + s.value
+        if s.labels:
+            samples[s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"] = s.value
+    return samples
 
 
 def _complete(server: Server, prompt: str, max_tokens: int = 8) -> requests.Response:
-    return server.post("/v1/completions", {"model": DEFAULT_MODEL_ID, "prompt": prompt, "max_tokens": max_tokens,
-                                           "temperature": 0})
+    return server.post(
+        "/v1/completions", {"model": DEFAULT_MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    )
 
 
 # --- refused ---------------------------------------------------------------------------------------
 
+
 def test_a_limit_below_the_plan_refuses_before_loading_with_exit_5(
-        bf16_checkpoint: Path, shape: ModelShape, tmp_path: Path) -> None:
+    bf16_checkpoint: Path, shape: ModelShape, tmp_path: Path
+) -> None:
     lo, _ = plan_bands(shape)["refused"]
     _, fits_from = min((band for ctx, band in plan_bands(shape).items() if ctx != "refused"), key=lambda b: b[0])
     limit = (lo + fits_from) // 2  # well inside the range the plan refuses
     cgroup = make_memory_cgroup(f"spark-edge-refuse-{os.getpid()}", limit)
     try:
-        cmd = [*cgroup.enter, sys.executable, "-m", "spark_edge.cli", "serve", "--model", str(bf16_checkpoint),
-               "--weight-path", "bf16", "--max-model-len", str(REQUESTED_CONTEXT), "--port", "1"]
+        cmd = [
+            *cgroup.enter,
+            sys.executable,
+            "-m",
+            "spark_edge.cli",
+            "serve",
+            "--model",
+            str(bf16_checkpoint),
+            "--weight-path",
+            "bf16",
+            "--max-model-len",
+            str(REQUESTED_CONTEXT),
+            "--port",
+            "1",
+        ]
         env = {**os.environ, "SPARK_EDGE_HOME": str(tmp_path / "home")}
         runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
         for run in runs:  # a supervisor restarting it gets the same answer, never an OOM kill
@@ -225,10 +262,12 @@ def test_a_limit_below_the_plan_refuses_before_loading_with_exit_5(
 
 # --- a shorter context ----------------------------------------------------------------------------
 
+
 def test_a_limit_that_fits_only_a_shorter_context_serves_it_and_says_so(
-        limited: Limited, first_life: Server, shape: ModelShape) -> None:
+    limited: Limited, first_life: Server, shape: ModelShape
+) -> None:
     log = first_life.log_path.read_text(errors="replace")
-    assert (f"memory: serving a {limited.context}-token context, not the {REQUESTED_CONTEXT} asked for" in log), log
+    assert f"memory: serving a {limited.context}-token context, not the {REQUESTED_CONTEXT} asked for" in log, log
     assert f"cgroup limit {limited.limit / MiB:.0f} MiB" in log
     m = _scrape(first_life)
     assert m["spark_edge_max_model_len_tokens"] == limited.context < REQUESTED_CONTEXT
@@ -249,13 +288,21 @@ def test_a_limit_that_fits_only_a_shorter_context_serves_it_and_says_so(
 
 # --- SIGTERM -------------------------------------------------------------------------------------
 
+
 def _stream(server: Server, max_tokens: int, first_token: threading.Event, out: dict) -> None:
-    body = {"model": DEFAULT_MODEL_ID, "prompt": "Write a long story about a lighthouse keeper.",
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     out.update(tokens=0, done=False, finish=None, usage=None)
-    with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers, stream=True,
-                       timeout=300) as reply:
+    with requests.post(
+        f"{server.url}/v1/completions", json=body, headers=server.headers, stream=True, timeout=300
+    ) as reply:
         out["status"] = reply.status_code
         for line in reply.iter_lines():
             if line == b"data: [DONE]":
@@ -290,7 +337,8 @@ def _eventually(check: Callable[[], list], timeout_s: float = 15) -> list:
 
 
 def test_sigterm_lets_in_flight_streams_finish_then_exits_0_leaving_no_process(
-        limited: Limited, first_life: Server) -> None:
+    limited: Limited, first_life: Server
+) -> None:
     streams = [({}, threading.Event()) for _ in range(2)]
     threads = [threading.Thread(target=_stream, args=(first_life, 96, ev, out)) for out, ev in streams]
     for t in threads:
@@ -317,8 +365,10 @@ def test_sigterm_lets_in_flight_streams_finish_then_exits_0_leaving_no_process(
 
 # --- restarts ------------------------------------------------------------------------------------
 
-def test_a_restart_resumes_warm(limited: Limited, first_life: Server, shape: ModelShape,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_restart_resumes_warm(
+    limited: Limited, first_life: Server, shape: ModelShape, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _stopped(first_life)
     second = limited.start("second")
     m = _scrape(second)
@@ -326,8 +376,14 @@ def test_a_restart_resumes_warm(limited: Limited, first_life: Server, shape: Mod
     # over the plan), and a larger baseline can shorten the context under this limit
     monkeypatch.setenv("SPARK_EDGE_HOME", str(limited.home))
     features = sorted(probe_device().features)
-    expected = make_plan(shape, "bf16", int(m["spark_edge_memory_limit_bytes"]), REQUESTED_CONTEXT, MAX_NUM_SEQS,
-                         calibrated_baseline=calibrated_baseline(features, "bf16", "engine")).max_model_len
+    expected = make_plan(
+        shape,
+        "bf16",
+        int(m["spark_edge_memory_limit_bytes"]),
+        REQUESTED_CONTEXT,
+        MAX_NUM_SEQS,
+        calibrated_baseline=calibrated_baseline(features, "bf16", "engine"),
+    ).max_model_len
     assert m["spark_edge_max_model_len_tokens"] == expected
     log = second.log_path.read_text(errors="replace")
     if expected == limited.context:  # the same plan, hence the same graph: loaded, not compiled
@@ -347,16 +403,17 @@ def test_a_damaged_compile_cache_is_counted_as_a_miss_and_rebuilt(limited: Limit
     assert (hash_dir / DIGESTS_FILE).exists()  # sealed by the server that compiled it
     data = artifact.read_bytes()
     at = data.index(GUARD_JSON) + len(b'"allow_tf32":false,')
-    artifact.write_bytes(data[:at] + b"#" + data[at + 1:])  # loaded as is, this kills the engine at start
+    artifact.write_bytes(data[:at] + b"#" + data[at + 1 :])  # loaded as is, this kills the engine at start
     kernel = max(hash_dir.glob("inductor_cache/**/*.so"), key=lambda p: p.stat().st_size)
     kernel.write_bytes(kernel.read_bytes()[: kernel.stat().st_size // 2])
 
     third = limited.start("third")
     m = _scrape(third)
-    assert m["spark_edge_compile_cache_misses_total"] >= 1 and m["spark_edge_compile_cache_hits_total"] == 0
+    assert m["spark_edge_compile_cache_hits_total"] == 0
+    assert m["spark_edge_compile_cache_misses_total{reason=altered}"] >= 1  # the digests caught it before the load
     log = third.log_path.read_text(errors="replace")
     assert "does not match its digests" in log and kernel.name in log
     third.assert_knows_paris(DEFAULT_MODEL_ID)
-    assert artifact.read_bytes() != data[:at] + b"#" + data[at + 1:] and kernel.stat().st_size > 0
+    assert artifact.read_bytes() != data[:at] + b"#" + data[at + 1 :] and kernel.stat().st_size > 0
     assert damaged_files(hash_dir) == []  # rebuilt and sealed again
     _stopped(third)

@@ -54,8 +54,10 @@ def markdown_table(command: click.Command) -> str:
     for param in command.params:
         if isinstance(param, click.Option) and not param.hidden:
             rows.append(f"| {_cell(_flag(param))} | `{param.envvar}` | {_default(param)} | {_cell(param.help or '')} |")
-    rows.append(f"| `-- VLLM_OPTIONS...` | `{VLLM_ARGS_ENV}` (shell words, placed first) | | vLLM's own server "
-                "options, passed as they are; what spark-edge decides is refused (see below) |")
+    rows.append(
+        f"| `-- VLLM_OPTIONS...` | `{VLLM_ARGS_ENV}` (shell words, placed first) | | vLLM's own server "
+        "options, passed as they are; what spark-edge decides is refused (see below) |"
+    )
     return "\n".join(rows)
 
 
@@ -99,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = readme_as_generated(current)
     if args.check:
         if wanted != current:
-            print("README.md's generated tables differ from the code: run python -m spark_edge.readme_tables",
-                  file=sys.stderr)
+            print(
+                "README.md's generated tables differ from the code: run python -m spark_edge.readme_tables",
+                file=sys.stderr,
+            )
             return 1
         return 0
     README.write_text(wanted)

@@ -1,1 +1,1 @@
-"""Measurements the operator sees: process-tree memory, and (later) Prometheus series."""
+"""Measurements the operator sees: process-tree memory and CPU, and the Prometheus series on vLLM's /metrics."""

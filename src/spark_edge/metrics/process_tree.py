@@ -101,7 +101,7 @@ class TreeRssSampler:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
-    def start(self) -> "TreeRssSampler":
+    def start(self) -> TreeRssSampler:
         self._thread.start()
         return self
 
