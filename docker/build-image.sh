@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build spark-edge:<isa> from Dockerfile.<isa>, or keep the existing one when its inputs are unchanged.
+# Build spark-edge:<isa> from Dockerfile.<isa> (x86: followed by docker/x86.Dockerfile), or keep the existing one when its inputs are unchanged.
 #
 #   docker/build-image.sh avx512|amx|arm     prints the image's tag
 #
@@ -57,7 +57,9 @@ arm64_host_build() {
 assemble_context() {
     rm -rf "$context"
     mkdir -p "$context/docker"
-    cp -a "Dockerfile.$isa" constraints.txt pyproject.toml README.md "$context/"
+    cp -a constraints.txt pyproject.toml README.md "$context/"
+    # the image's own file (what it is), followed by its shared recipe if it has one (x86: how it is built)
+    "$python" -m spark_edge.registry dockerfile "$isa" >"$context/Dockerfile.$isa"
     cp -a src "$context/src"
     find "$context/src" \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +
     cp -a docker/*.sh docker/*.py docker/os-packages.txt "$context/docker/"

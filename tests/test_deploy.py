@@ -8,7 +8,9 @@
   installed by deploy/install-tools.sh from .ci/run), with a firing and a silent test per alert;
   the edge box's compose file passes `docker-compose config` (Debian's docker-compose).
 - A real Prometheus (Debian's binary, compose's prometheus.yml) scrapes the session's real
-  spark-edge server, and every query of the dashboard and the alerts returns data.
+  spark-edge server, every rule evaluates without error and every query of the dashboard and the
+  alerts returns data. The same, without an engine, on vLLM's own /metrics page: vLLM's stat logger
+  fed decode steps and spark-edge's collector, so a query on a series either exports is checked in seconds.
 """
 
 from __future__ import annotations
@@ -22,17 +24,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import requests
 import yaml
+
+from spark_edge import registry
 
 from conftest import Server, free_port
 
@@ -55,8 +62,10 @@ JOB = "spark-edge"
 
 # --- tools ---------------------------------------------------------------------------------------
 
+
 def _os_tool(name: str) -> str:
-    """A binary from a Debian package deploy/install-tools.sh installs: CI has it; elsewhere, skip saying how to get it."""
+    """A binary from a Debian package deploy/install-tools.sh installs: CI has it; elsewhere, skip saying how
+    to get it."""
     path = shutil.which(name)
     if path is None:
         message = f"{name} not found: run deploy/install-tools.sh as root (Debian's prometheus and docker-compose)"
@@ -87,9 +96,9 @@ def _one(objects: tuple[dict, ...], *kinds: str) -> dict:
 
 
 def _dockerfile_facts(isa: str) -> dict[str, str]:
-    """ARG and ENV values of Dockerfile.<isa> (the first value of each name wins: the ARG defaults)."""
+    """ARG and ENV values of image <isa>'s Dockerfile (the first value of each name wins: the ARG defaults)."""
     facts: dict[str, str] = {}
-    text = (REPO / f"Dockerfile.{isa}").read_text()
+    text = next(i for i in registry.IMAGES.values() if i.name == isa).dockerfile_text(REPO)  # as docker builds it
     for name, value in re.findall(r"\b([A-Z][A-Z0-9_]+)=([^\s\\]+)", text):
         facts.setdefault(name, value)
     facts["USER"] = re.search(r"^USER (\d+)", text, re.M).group(1)
@@ -104,6 +113,7 @@ def _quantity_bytes(quantity: str) -> int:
 
 
 # --- Prometheus Operator kinds: schemas from its Go types, made strict -------------------------------
+
 
 def _strict(schema: Any) -> Any:
     """Reject unknown fields, as kubernetes-validate --strict does for built-in kinds."""
@@ -120,9 +130,11 @@ def _strict(schema: Any) -> Any:
 def crd_schema(api_version: str, kind: str) -> dict:
     from cloudcoil.models.prometheus_operator import v1
 
-    models = {("monitoring.coreos.com/v1", "PodMonitor"): v1.PodMonitor,
-              ("monitoring.coreos.com/v1", "ServiceMonitor"): v1.ServiceMonitor,
-              ("monitoring.coreos.com/v1", "PrometheusRule"): v1.PrometheusRule}
+    models = {
+        ("monitoring.coreos.com/v1", "PodMonitor"): v1.PodMonitor,
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): v1.ServiceMonitor,
+        ("monitoring.coreos.com/v1", "PrometheusRule"): v1.PrometheusRule,
+    }
     if (api_version, kind) not in models:
         raise LookupError(f"no schema for {api_version} {kind}")
     return _strict(models[(api_version, kind)].model_json_schema(by_alias=True, mode="validation"))
@@ -142,6 +154,7 @@ def validate_object(obj: dict) -> None:
 
 # --- the manifests ---------------------------------------------------------------------------------
 
+
 def test_deploy_yaml_lints_clean() -> None:
     result = _run([sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint.yml"), "--strict", str(DEPLOY)])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -155,12 +168,19 @@ def test_kustomization_renders_and_every_object_validates(kustomization: str) ->
         try:
             validate_object(obj)
         except jsonschema.ValidationError as exc:
-            pytest.fail(f"{kustomization}: {obj['kind']}/{obj['metadata']['name']} at "
-                        f"{'.'.join(map(str, exc.absolute_path))}: {exc.message}")
+            pytest.fail(
+                f"{kustomization}: {obj['kind']}/{obj['metadata']['name']} at "
+                f"{'.'.join(map(str, exc.absolute_path))}: {exc.message}"
+            )
 
 
-@pytest.mark.parametrize("kind, typo", [("Deployment", ("spec", "template", "spec", "securityContext", "runAsNonroot")),
-                                        ("PodMonitor", ("spec", "podMetricEndpoints"))])
+@pytest.mark.parametrize(
+    "kind, typo",
+    [
+        ("Deployment", ("spec", "template", "spec", "securityContext", "runAsNonroot")),
+        ("PodMonitor", ("spec", "podMetricEndpoints")),
+    ],
+)
 def test_validation_rejects_a_misspelt_field(kind: str, typo: tuple[str, ...]) -> None:
     objects = render("overlays/avx512") + render("fleet")
     obj = copy.deepcopy(next(o for o in objects if o["kind"] == kind))
@@ -208,7 +228,9 @@ def test_memory_limit_fits_the_plan_for_the_images_weight_path(overlay: str) -> 
     limit = _quantity_bytes(resources["limits"]["memory"])
     env = {e["name"]: e for e in container["env"]}
     assert env["SPARK_EDGE_MEMORY_LIMIT"]["valueFrom"]["resourceFieldRef"]["resource"] == "limits.memory"
-    plan = spark_edge_plan(image["WEIGHT_PATH"], image["SPARK_EDGE_MAX_MODEL_LEN"], image["SPARK_EDGE_MAX_NUM_SEQS"], limit)
+    plan = spark_edge_plan(
+        image["WEIGHT_PATH"], image["SPARK_EDGE_MAX_MODEL_LEN"], image["SPARK_EDGE_MAX_NUM_SEQS"], limit
+    )
     assert plan["fits"] and not plan["reduced_context"], plan
     assert plan["max_model_len"] == int(image["SPARK_EDGE_MAX_MODEL_LEN"])
     # The full KV cache (every sequence at the full context): the limit does not ration it.
@@ -219,9 +241,23 @@ def test_memory_limit_fits_the_plan_for_the_images_weight_path(overlay: str) -> 
 
 @cache
 def spark_edge_plan(weight_path: str, max_model_len: str, max_num_seqs: str, memory_limit: int) -> dict:
-    result = _run([sys.executable, "-m", "spark_edge.cli", "plan", "--weight-path", weight_path,
-                   "--max-model-len", max_model_len, "--max-num-seqs", max_num_seqs,
-                   "--memory-limit", str(memory_limit), "--json"])
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "spark_edge.cli",
+            "plan",
+            "--weight-path",
+            weight_path,
+            "--max-model-len",
+            max_model_len,
+            "--max-num-seqs",
+            max_num_seqs,
+            "--memory-limit",
+            str(memory_limit),
+            "--json",
+        ]
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -231,17 +267,41 @@ def _required_terms(pod: dict) -> list[dict]:
     return term["matchExpressions"]
 
 
-@pytest.mark.parametrize("overlay, required", [
-    ("avx512", {"kubernetes.io/arch": ("In", ["amd64"]), "feature.node.kubernetes.io/cpu-cpuid.AVX512F": ("In", ["true"])}),
-    ("edge-avx512", {"kubernetes.io/arch": ("In", ["amd64"]), "feature.node.kubernetes.io/cpu-cpuid.AVX512F": ("In", ["true"]),
-                     "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("DoesNotExist", None)}),
-    ("amx", {"kubernetes.io/arch": ("In", ["amd64"]), "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("In", ["true"]),
-             "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": ("In", ["true"])}),
-    ("edge-amx", {"kubernetes.io/arch": ("In", ["amd64"]), "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("In", ["true"]),
-                  "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": ("In", ["true"])}),
-    ("arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
-    ("edge-arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
-])
+@pytest.mark.parametrize(
+    "overlay, required",
+    [
+        (
+            "avx512",
+            {"kubernetes.io/arch": ("In", ["amd64"]), "feature.node.kubernetes.io/cpu-cpuid.AVX512F": ("In", ["true"])},
+        ),
+        (
+            "edge-avx512",
+            {
+                "kubernetes.io/arch": ("In", ["amd64"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AVX512F": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("DoesNotExist", None),
+            },
+        ),
+        (
+            "amx",
+            {
+                "kubernetes.io/arch": ("In", ["amd64"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": ("In", ["true"]),
+            },
+        ),
+        (
+            "edge-amx",
+            {
+                "kubernetes.io/arch": ("In", ["amd64"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": ("In", ["true"]),
+            },
+        ),
+        ("arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
+        ("edge-arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
+    ],
+)
 def test_nodes_are_selected_by_node_feature_discovery_labels(overlay: str, required: dict) -> None:
     workload = _one(render(f"overlays/{overlay}"), *WORKLOAD_KINDS)
     pod = workload["spec"]["template"]["spec"]
@@ -283,8 +343,10 @@ def test_workload_selectors_never_overlap_and_the_fleet_sees_them_all() -> None:
         selector = workload["spec"]["selector"]["matchLabels"]
         for other, other_workload in workloads.items():
             # Overlays naming the same object (avx512, autoscaled-avx512) are alternatives, not neighbours.
-            if (other_workload["kind"], other_workload["metadata"]["name"]) != (workload["kind"], workload["metadata"]["name"]) \
-                    and other_workload["kind"] == workload["kind"]:
+            if (other_workload["kind"], other_workload["metadata"]["name"]) != (
+                workload["kind"],
+                workload["metadata"]["name"],
+            ) and other_workload["kind"] == workload["kind"]:
                 pod_labels = other_workload["spec"]["template"]["metadata"]["labels"]
                 assert not selector.items() <= pod_labels.items(), f"{name}'s selector matches {other}'s pods"
         labels = workload["spec"]["template"]["metadata"]["labels"]
@@ -301,8 +363,11 @@ def test_workload_selectors_never_overlap_and_the_fleet_sees_them_all() -> None:
 def test_autoscaler_targets_the_deployment_on_waiting_requests() -> None:
     objects = render("overlays/autoscaled-avx512")
     hpa, deployment = _one(objects, "HorizontalPodAutoscaler"), _one(objects, "Deployment")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == ["vllm_num_requests_waiting"]
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     adapter = yaml.safe_load((K8S / "components" / "hpa" / "prometheus-adapter.yaml").read_text())
@@ -310,6 +375,7 @@ def test_autoscaler_targets_the_deployment_on_waiting_requests() -> None:
 
 
 # --- the alert rules -------------------------------------------------------------------------------
+
 
 def _alert_names(rules: dict) -> list[str]:
     return [r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r]
@@ -349,6 +415,7 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
 
 # --- the edge box ----------------------------------------------------------------------------------
 
+
 def compose_config() -> dict:
     """compose.yaml as docker-compose resolves it (defaults filled in, paths absolute): it also validates it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_EDGE_", "PROMETHEUS_"))}
@@ -378,6 +445,7 @@ def test_compose_box_is_valid_and_its_prometheus_loads_the_same_rules_file() -> 
 
 
 # --- the dashboard ---------------------------------------------------------------------------------
+
 
 def _panels(dashboard: dict) -> Iterator[dict]:
     for panel in dashboard["panels"]:
@@ -433,8 +501,10 @@ def with_bool(expr: str) -> str:
 
 
 def test_with_bool_turns_comparisons_not_label_matchers() -> None:
-    assert (with_bool('a{x!="1", y=~"a>b"} > 0.9 * b and c == 0 and d >= bool 1')
-            == 'a{x!="1", y=~"a>b"} > bool 0.9 * b and c == bool 0 and d >= bool 1')
+    assert (
+        with_bool('a{x!="1", y=~"a>b"} > 0.9 * b and c == 0 and d >= bool 1')
+        == 'a{x!="1", y=~"a>b"} > bool 0.9 * b and c == bool 0 and d >= bool 1'
+    )
 
 
 def _dashboard_queries() -> dict[str, str]:
@@ -448,8 +518,11 @@ def _dashboard_queries() -> dict[str, str]:
         assert "$" not in expr, f"unknown variable in {expr}"
         return expr
 
-    queries = {f"panel {p['title']!r} {t['refId']}": expand(t["expr"])
-               for p in _panels(dashboard) for t in p.get("targets", [])}
+    queries = {
+        f"panel {p['title']!r} {t['refId']}": expand(t["expr"])
+        for p in _panels(dashboard)
+        for t in p.get("targets", [])
+    }
     for var in dashboard["templating"]["list"]:
         if var["type"] == "query":
             series, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["definition"]).groups()
@@ -476,9 +549,17 @@ class Prometheus:
         self.log_path = home / "prometheus.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={home / 'prometheus.yml'}", f"--storage.tsdb.path={home / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                f"--config.file={home / 'prometheus.yml'}",
+                f"--storage.tsdb.path={home / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def api(self, path: str, **params: str) -> Any:
         body = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=10).json()
@@ -511,19 +592,26 @@ class Prometheus:
         self._log.close()
 
 
-@pytest.fixture
-def prometheus(bf16_server: Server, tmp_path: Path) -> Iterator[Prometheus]:
+@contextmanager
+def scraping(target: str, home: Path) -> Iterator[Prometheus]:
+    """Prometheus with compose's prometheus.yml (its job, its `track` label), scraping `target` every second."""
     config = yaml.safe_load(COMPOSE_PROMETHEUS.read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(RULES)]
     (job,) = config["scrape_configs"]
     job["scrape_timeout"] = "1s"
-    job["static_configs"][0]["targets"] = [f"127.0.0.1:{bf16_server.port}"]
-    server = Prometheus(_os_tool("prometheus"), config, tmp_path)
+    job["static_configs"][0]["targets"] = [target]
+    server = Prometheus(_os_tool("prometheus"), config, home)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def prometheus(bf16_server: Server, tmp_path: Path) -> Iterator[Prometheus]:
+    with scraping(f"127.0.0.1:{bf16_server.port}", tmp_path) as server:
+        yield server
 
 
 def _timestamp(rfc3339: str) -> float:
@@ -532,30 +620,40 @@ def _timestamp(rfc3339: str) -> float:
     return whole + (1 if "." in rfc3339 else 0)
 
 
-def _metric(server: Server, name: str) -> float:
+def _metric(url: str, name: str) -> float:
+    """A series of /metrics summed over its label sets (the compile-cache misses have one per reason)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-@pytest.mark.engine
-def test_prometheus_scrapes_spark_edge_and_every_dashboard_and_alert_query_returns_data(
-        bf16_server: Server, prometheus: Prometheus) -> None:
+def _wait_for_decoding_and_a_rule_evaluation(prometheus: Prometheus) -> None:
     prometheus.wait_for("a successful scrape", lambda: prometheus.query(f'up{{job="{JOB}"}} == 1'))
-    # Requests between scrapes, so rates, the TTFT histogram and the decode rate have something to show.
-    model = bf16_server.get("/v1/models").json()["data"][0]["id"]
-    for prompt in ("The capital of France is", "Once upon a time", "A haiku about the sea:"):
-        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        assert bf16_server.post("/v1/completions", body).status_code == 200
-    prometheus.wait_for("the requests in a rate",
-                        lambda: prometheus.query(f'increase(vllm:time_to_first_token_seconds_count{{job="{JOB}"}}[1m]) > 0')
-                        and prometheus.query(f'spark_edge_generation_tokens_per_second{{job="{JOB}"}} > 0'))
-    # and the rules evaluated on those samples
+    prometheus.wait_for(
+        "decoding in a rate",
+        lambda: prometheus.query(
+            f'increase(vllm:time_to_first_token_seconds_count{{job="{JOB}"}}[1m]) > 0'
+            f' and on (instance) increase(vllm:inter_token_latency_seconds_count{{job="{JOB}"}}[1m]) > 0'
+        ),
+    )
     since = time.time()
-    prometheus.wait_for("a rule evaluation", lambda: all(
-        _timestamp(g["lastEvaluation"]) > since for g in prometheus.api("rules")["groups"]))
+    prometheus.wait_for(
+        "a rule evaluation",
+        lambda: all(_timestamp(g["lastEvaluation"]) > since for g in prometheus.api("rules")["groups"]),
+    )
 
+
+def assert_every_query_evaluates_with_data(prometheus: Prometheus) -> None:
+    """Every rule evaluates without error, and every dashboard and alert query returns data (a panel's, a
+    finite value)."""
+    broken = [
+        f"{r['name']}: {r.get('lastError')}"
+        for g in prometheus.api("rules")["groups"]
+        for r in g["rules"]
+        if r["health"] != "ok"
+    ]
+    assert not broken, "rules that failed to evaluate:\n" + "\n".join(broken)
     empty, not_finite = [], []
     for where, expr in {**_dashboard_queries(), **_alert_queries()}.items():
         result = prometheus.query(expr)
@@ -566,12 +664,145 @@ def test_prometheus_scrapes_spark_edge_and_every_dashboard_and_alert_query_retur
     assert not empty, "queries with no data:\n" + "\n".join(empty)
     assert not not_finite, "panels with no finite value:\n" + "\n".join(not_finite)
 
+
+def _active_alerts(prometheus: Prometheus) -> dict[str, str]:
+    return {a["labels"]["alertname"]: a["state"] for a in prometheus.api("alerts")["alerts"]}
+
+
+@pytest.mark.engine
+def test_prometheus_scrapes_spark_edge_and_every_dashboard_and_alert_query_returns_data(
+    bf16_server: Server, prometheus: Prometheus
+) -> None:
+    prometheus.wait_for("a successful scrape", lambda: prometheus.query(f'up{{job="{JOB}"}} == 1'))
+    # Requests between scrapes, so rates, the TTFT and inter-token latency histograms have something to show.
+    model = bf16_server.get("/v1/models").json()["data"][0]["id"]
+    for prompt in ("The capital of France is", "Once upon a time", "A haiku about the sea:"):
+        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        assert bf16_server.post("/v1/completions", body).status_code == 200
+    _wait_for_decoding_and_a_rule_evaluation(prometheus)
+    assert_every_query_evaluates_with_data(prometheus)
+
     # The alerts say what the server's own /metrics say.
-    active = {a["labels"]["alertname"]: a["state"] for a in prometheus.api("alerts")["alerts"]}
-    misses = _metric(bf16_server, "spark_edge_compile_cache_misses_total")
+    active = _active_alerts(prometheus)
+    misses = _metric(bf16_server.url, "spark_edge_compile_cache_misses_total")
     assert ("SparkEdgeCompileCacheMissAtStart" in active) == (misses > 0), (active, misses)
-    peak = _metric(bf16_server, "spark_edge_process_rss_anon_peak_bytes")
-    limit = _metric(bf16_server, "spark_edge_memory_limit_bytes")
+    peak = _metric(bf16_server.url, "spark_edge_process_rss_anon_peak_bytes")
+    limit = _metric(bf16_server.url, "spark_edge_memory_limit_bytes")
     assert ("SparkEdgeMemoryPeakNearLimit" in active) == (peak > 0.9 * limit), (active, peak, limit)
     for silent in ("SparkEdgeDown", "SparkEdgeRestarted", "SparkEdgeTokensPerSecondDropping"):
+        assert silent not in active, active
+
+
+# --- the same queries on vLLM's /metrics page without an engine ------------------------------------------
+
+
+class VllmMetricsStandIn:
+    """vLLM's /metrics as its API server serves it, without an engine: vLLM's own Prometheus stat logger
+    fed decode steps by a thread, spark-edge's collector installed as `serve` installs it, the page mounted
+    by vLLM's `attach_router` and served by uvicorn. Series names and types are vLLM's, not copies."""
+
+    def __init__(self, run_dir: Path):
+        from types import SimpleNamespace
+
+        import uvicorn
+        from fastapi import FastAPI
+        from vllm.config import VllmConfig
+        from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        from spark_edge.metrics.process_tree import TreeRssSampler
+        from spark_edge.metrics.prometheus import ServerFacts, install
+
+        config = VllmConfig()
+        # what the stat logger reads of a model: nothing is loaded
+        config.model_config = SimpleNamespace(served_model_name="stand-in", max_model_len=1024, is_diffusion=False)
+        self.stat_logger = PrometheusStatLogger(config)
+        self.sampler = TreeRssSampler(os.getpid(), interval_s=0.2).start()
+        facts = ServerFacts(
+            "avx512",
+            "bf16",
+            "0.0.0",
+            "0.32.0",
+            8 << 30,
+            run_dir,
+            {"engine": 1.0, "ready": 2.0},
+            load_peak_bytes=100 << 20,
+            max_model_len=1024,
+            requested_max_model_len=1024,
+            plan_steady_bytes=1 << 30,
+            plan_load_peak_bytes=1 << 30,
+            plan_peak_bytes=1 << 30,
+        )
+        self.collector = install(facts, self.sampler)
+        app = FastAPI()
+        attach_router(app)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._server.run, daemon=True),
+            threading.Thread(target=self._decode, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _decode(self) -> None:
+        """A request's first token and four decode steps of 50 ms, four times a second."""
+        from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+        while not self._stop.wait(0.25):
+            step = IterationStats()
+            step.num_generation_tokens = 5
+            step.time_to_first_tokens_iter = [0.2]
+            step.inter_token_latencies_iter = [0.05] * 4
+            self.stat_logger.record(SchedulerStats(num_running_reqs=1), step)
+
+    def stop(self) -> None:
+        from prometheus_client import REGISTRY
+        from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+        self._stop.set()
+        self._server.should_exit = True
+        for thread in self._threads:
+            thread.join(30)
+        self.sampler.stop()
+        REGISTRY.unregister(self.collector)
+        unregister_vllm_metrics()
+
+
+@pytest.fixture
+def vllm_metrics_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[VllmMetricsStandIn]:
+    from spark_edge.runtime.compile_cache import ENV_RUN_DIR, MISS, record_event
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path / "run"))
+    assert record_event(MISS, reason="no_artifact")  # as a cold start records it
+    stand_in = VllmMetricsStandIn(tmp_path / "run")
+    try:
+        yield stand_in
+    finally:
+        stand_in.stop()
+
+
+def test_prometheus_evaluates_every_dashboard_and_alert_query_on_vllms_metrics_page(
+    vllm_metrics_stand_in: VllmMetricsStandIn, tmp_path: Path
+) -> None:
+    with scraping(f"127.0.0.1:{vllm_metrics_stand_in.port}", tmp_path) as prometheus:
+        _wait_for_decoding_and_a_rule_evaluation(prometheus)
+        assert_every_query_evaluates_with_data(prometheus)
+        active = _active_alerts(prometheus)
+        alerts = prometheus.api("alerts")["alerts"]
+    url = vllm_metrics_stand_in.url
+    started_within_the_hour = time.time() - _metric(url, "process_start_time_seconds") < 3600
+    reasons = [
+        a["labels"].get("reason") for a in alerts if a["labels"]["alertname"] == "SparkEdgeCompileCacheMissAtStart"
+    ]
+    assert reasons == (["no_artifact"] if started_within_the_hour else []), alerts
+    for silent in (
+        "SparkEdgeDown",
+        "SparkEdgeRestarted",
+        "SparkEdgeTokensPerSecondDropping",
+        "SparkEdgeMemoryPeakNearLimit",
+    ):
         assert silent not in active, active

@@ -18,18 +18,20 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
 
-from engine_lock import ENGINE_LOCK, engine_lock, held_by_ancestor
-
+from spark_edge import registry
 from spark_edge.probe.device import probe_device
-from spark_edge.probe.images import IMAGES, image_fits, recommended_image
+from spark_edge.probe.images import IMAGES, image_fits
+from spark_edge.serving.server_process import free_port
+
+from engine_lock import ENGINE_LOCK, engine_lock, held_by_ancestor
 
 pytestmark = pytest.mark.images
 
@@ -40,18 +42,25 @@ SERVED_NAME = "smollm2-135m-instruct"
 UID = 10001  # the images' spark-edge user
 # --read-only needs two writable places: the data folder (compile cache, run files) and /tmp.
 # exec: vLLM and Inductor load compiled shared objects from both; docker mounts a tmpfs noexec by default.
-READ_ONLY_ARGS = ["--read-only", "--tmpfs", "/tmp:rw,exec,mode=1777",
-                  "--tmpfs", f"/var/cache/spark-edge:rw,exec,uid={UID},gid={UID},mode=0700"]
+READ_ONLY_ARGS = [
+    "--read-only",
+    "--tmpfs",
+    "/tmp:rw,exec,mode=1777",
+    "--tmpfs",
+    f"/var/cache/spark-edge:rw,exec,uid={UID},gid={UID},mode=0700",
+]
 
 
 # --- docker ------------------------------------------------------------------------------------
+
 
 def _docker_problem() -> str | None:
     if shutil.which("docker") is None:
         return "no docker client on PATH"
     try:
-        result = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                                text=True, timeout=30)
+        result = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "docker info timed out"
     if result.returncode != 0 or not result.stdout.strip():
@@ -72,26 +81,27 @@ def build_image(isa: str) -> str:
     if not ENGINE_LOCK or held_by_ancestor(ENGINE_LOCK):  # e.g. a container fixture of this session holds it
         env["SPARK_EDGE_ENGINE_LOCK"] = ""
     start = time.monotonic()
-    result = subprocess.run([str(REPO / "docker" / "build-image.sh"), isa], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    result = subprocess.run(
+        [str(REPO / "docker" / "build-image.sh"), isa],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
     if result.returncode != 0:
         pytest.fail(f"building spark-edge:{isa} failed:\n{result.stderr[-6000:]}")
-    print(f"\nspark-edge:{isa}: build step took {time.monotonic() - start:.0f} s "
-          f"({result.stderr.strip().splitlines()[-1]})")
+    print(
+        f"\nspark-edge:{isa}: build step took {time.monotonic() - start:.0f} s "
+        f"({result.stderr.strip().splitlines()[-1]})"
+    )
     return result.stdout.strip().splitlines()[-1]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def docker_inspect(name: str, template: str) -> str:
-    return subprocess.run(["docker", "inspect", "--format", template, name], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["docker", "inspect", "--format", template, name], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 @dataclass
@@ -145,8 +155,24 @@ def container(image: str, docker_args: list[str] = (), args: list[str] = ()) -> 
     name = f"spark-edge-test-{uuid.uuid4().hex[:10]}"
     port = free_port()
     # --shm-size: vLLM's engine and worker share a 160 MiB ring in /dev/shm (docker's default is 64 MiB)
-    cmd = ["docker", "run", "-d", "--name", name, "--network", "host", "--shm-size", "512m",
-           "-e", f"SPARK_EDGE_PORT={port}", "-e", "SPARK_EDGE_HOST=127.0.0.1", *docker_args, image, *args]
+    cmd = [
+        "docker",
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--network",
+        "host",
+        "--shm-size",
+        "512m",
+        "-e",
+        f"SPARK_EDGE_PORT={port}",
+        "-e",
+        "SPARK_EDGE_HOST=127.0.0.1",
+        *docker_args,
+        image,
+        *args,
+    ]
     with engine_lock():
         started = time.monotonic()
         subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -166,31 +192,50 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
+def metric_sum(text: str, name: str) -> float:
+    """A series summed over its label sets (the compile-cache misses have one per reason)."""
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert values, f"{name} missing from /metrics"
+    return sum(map(float, values))
+
+
 def complete(url: str, prompt: str = "The capital of France is") -> str:
-    response = requests.post(f"{url}/v1/completions", timeout=120, json={
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    response = requests.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+    )
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
 
 
-def run_once(image: str, args: list[str], docker_args: list[str] = (), timeout_s: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", "run", "--rm", *docker_args, image, *args], capture_output=True, text=True,
-                          timeout=timeout_s)
+def run_once(
+    image: str, args: list[str], docker_args: list[str] = (), timeout_s: float = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["docker", "run", "--rm", *docker_args, image, *args], capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 # --- hadolint ----------------------------------------------------------------------------------
 
-def test_dockerfiles_are_hadolint_clean() -> None:
+
+def test_dockerfiles_are_hadolint_clean(tmp_path: Path) -> None:
+    """Linted as docker builds them: each image's own Dockerfile followed by its shared recipe."""
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert hadolint, "hadolint missing: it comes with the test extra (pip install -e '.[test]')"
-    files = sorted(str(p) for p in REPO.glob("Dockerfile.*"))
-    assert [Path(f).name for f in files] == ["Dockerfile.amx", "Dockerfile.arm", "Dockerfile.avx512"]
-    files.append(str(REPO / "deploy" / "compose" / "Dockerfile.prometheus"))
-    result = subprocess.run([hadolint, *files], capture_output=True, text=True)
+    assert sorted(p.name for p in REPO.glob("Dockerfile.*")) == sorted(i.dockerfile for i in registry.IMAGES.values())
+    files = []
+    for image in registry.IMAGES.values():
+        files.append(tmp_path / image.dockerfile)
+        files[-1].write_text(image.dockerfile_text(REPO))
+    files.append(REPO / "deploy" / "compose" / "Dockerfile.prometheus")
+    result = subprocess.run([hadolint, *map(str, files)], capture_output=True, text=True)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
 # --- avx512 ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def avx512_image(docker: None) -> str:
@@ -205,7 +250,7 @@ def avx512_cold_ready_s(avx512_image: str) -> float:
     with container(avx512_image, READ_ONLY_ARGS + ["-e", "SPARK_EDGE_BAKED_CACHE=/nonexistent"]) as c:
         seconds = c.wait_ready()
         text = c.metrics()
-        assert metric(text, "spark_edge_compile_cache_misses_total") > 0, "an empty cache must miss"
+        assert metric_sum(text, "spark_edge_compile_cache_misses_total") > 0, "an empty cache must miss"
         assert metric(text, "spark_edge_compile_cache_hits_total") == 0
         return seconds
 
@@ -232,7 +277,7 @@ def test_avx512_answers_a_completion(avx512_warm: Container) -> None:
 def test_avx512_first_start_loads_the_baked_compile_cache(avx512_warm: Container) -> None:
     text = avx512_warm.metrics()
     hits = metric(text, "spark_edge_compile_cache_hits_total")
-    misses = metric(text, "spark_edge_compile_cache_misses_total")
+    misses = metric_sum(text, "spark_edge_compile_cache_misses_total")
     assert hits > 0 and misses == 0, f"first start: {hits} hits, {misses} misses\n{avx512_warm.logs()[-4000:]}"
     assert 'weight_path="w4a16"' in text and 'isa="' in text
     assert "compile cache seeded from the image" in avx512_warm.logs()
@@ -241,20 +286,24 @@ def test_avx512_first_start_loads_the_baked_compile_cache(avx512_warm: Container
 def test_avx512_baked_cache_halves_time_to_ready(avx512_warm: Container, avx512_cold_ready_s: float) -> None:
     warm_s = avx512_warm.ready_after_s
     in_process = metric(avx512_warm.metrics(), "spark_edge_startup_seconds", '{phase="ready"}')
-    print(f"\nspark-edge:avx512 time to ready: cold (empty cache) {avx512_cold_ready_s:.1f} s, "
-          f"warm (baked cache) {warm_s:.1f} s (in-process {in_process:.1f} s), "
-          f"ratio {warm_s / avx512_cold_ready_s:.2f}")
+    print(
+        f"\nspark-edge:avx512 time to ready: cold (empty cache) {avx512_cold_ready_s:.1f} s, "
+        f"warm (baked cache) {warm_s:.1f} s (in-process {in_process:.1f} s), "
+        f"ratio {warm_s / avx512_cold_ready_s:.2f}"
+    )
     assert warm_s <= avx512_cold_ready_s / 2
 
 
 def test_avx512_runs_read_only_as_non_root(avx512_warm: Container) -> None:
     assert docker_inspect(avx512_warm.name, "{{.HostConfig.ReadonlyRootfs}}") == "true"
-    write = subprocess.run(["docker", "exec", avx512_warm.name, "touch", "/opt/spark-edge/x"], capture_output=True,
-                           text=True)
+    write = subprocess.run(
+        ["docker", "exec", avx512_warm.name, "touch", "/opt/spark-edge/x"], capture_output=True, text=True
+    )
     assert write.returncode != 0 and "Read-only file system" in write.stderr
     # Every process of the container, as the host kernel sees it (not what the image claims).
-    pids = subprocess.run(["docker", "top", avx512_warm.name, "-eo", "pid"], capture_output=True, text=True,
-                          check=True).stdout.split()[1:]
+    pids = subprocess.run(
+        ["docker", "top", avx512_warm.name, "-eo", "pid"], capture_output=True, text=True, check=True
+    ).stdout.split()[1:]
     assert len(pids) >= 2, pids  # the API server and vLLM's engine core at least
     for pid in pids:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -270,11 +319,13 @@ def test_avx512_healthcheck_turns_healthy(avx512_warm: Container) -> None:
 
 
 def test_avx512_image_carries_no_build_leftovers(avx512_image: str) -> None:
-    script = ("test ! -e /wheelhouse && test ! -e /src && test ! -e /models && test ! -e /root/.cache "
-              "&& test ! -e /var/cache/spark-edge/.cache "
-              # Debian's python3-venv ships pip's and setuptools' wheels in /usr/share/python-wheels
-              "&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
-              "&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf && test ! -e /etc/xdg/pip")
+    script = (
+        "test ! -e /wheelhouse && test ! -e /src && test ! -e /models && test ! -e /root/.cache "
+        "&& test ! -e /var/cache/spark-edge/.cache "
+        # Debian's python3-venv ships pip's and setuptools' wheels in /usr/share/python-wheels
+        "&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
+        "&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf && test ! -e /etc/xdg/pip"
+    )
     result = run_once(avx512_image, ["-c", script], ["--entrypoint", "sh"])
     assert result.returncode == 0, result.stdout + result.stderr
     labels = json.loads(docker_inspect(avx512_image, "{{json .Config.Labels}}"))
@@ -286,6 +337,48 @@ def test_avx512_without_a_writable_data_folder_says_what_to_mount(avx512_image: 
     result = run_once(avx512_image, [], ["--read-only"], timeout_s=120)
     assert result.returncode == 1
     assert "mount a volume or a tmpfs" in result.stderr and "/var/cache/spark-edge" in result.stderr
+
+
+STAMP = "spark_edge_cache_stamp.json"  # what each weight-path folder of a compile cache was made for
+# Turn the kept cache into an older image's: its stamp names another vLLM (an upgrade changes it), and a file
+# the new image does not have marks what must not survive.
+_AGE_THE_KEPT_CACHE = f"""
+import json, pathlib
+for stamp in pathlib.Path("/var/cache/spark-edge/vllm-cache").glob("*/{STAMP}"):
+    facts = json.loads(stamp.read_text())
+    facts["vllm"] = "0.31.0"
+    stamp.write_text(json.dumps(facts))
+    (stamp.parent / "from-an-older-image").write_text("x")
+    print(stamp.parent.name)
+"""
+
+
+def test_avx512_a_volume_kept_from_an_older_image_gets_this_images_cache(avx512_image: str) -> None:
+    """A data volume kept across an image upgrade: the compile cache it holds was made for the older image
+    (its stamp differs), so the entrypoint replaces that weight path's folder with this image's baked one,
+    and the start loads every graph from it (hits, no miss) instead of compiling anew."""
+    volume = f"spark-edge-test-{uuid.uuid4().hex[:10]}"
+    subprocess.run(["docker", "volume", "create", volume], check=True, capture_output=True)
+    mount = ["--read-only", "--tmpfs", "/tmp:rw,exec,mode=1777", "-v", f"{volume}:/var/cache/spark-edge"]
+    try:
+        with container(avx512_image, mount) as first:  # the volume's first start: seeded from the image
+            first.wait_ready()
+            assert metric_sum(first.metrics(), "spark_edge_compile_cache_misses_total") == 0
+        aged = run_once(avx512_image, ["-c", _AGE_THE_KEPT_CACHE], [*mount, "--entrypoint", "python3"])
+        assert aged.returncode == 0 and aged.stdout.split() == ["w4a16"], aged.stdout + aged.stderr
+        with container(avx512_image, mount) as upgraded:
+            upgraded.wait_ready()
+            text, logs = upgraded.metrics(), upgraded.logs()
+            assert "holds a compile cache made for something else; replacing it" in logs, logs[-4000:]
+            hits = metric(text, "spark_edge_compile_cache_hits_total")
+            misses = metric_sum(text, "spark_edge_compile_cache_misses_total")
+            assert hits > 0 and misses == 0, f"{hits} hits, {misses} misses\n{logs[-4000:]}"
+        left = run_once(
+            avx512_image, ["-c", "ls /var/cache/spark-edge/vllm-cache/w4a16"], [*mount, "--entrypoint", "sh"]
+        )
+        assert left.returncode == 0 and STAMP in left.stdout and "from-an-older-image" not in left.stdout, left.stdout
+    finally:
+        subprocess.run(["docker", "volume", "rm", "-f", volume], capture_output=True)
 
 
 # --- the edge box: compose ---------------------------------------------------------------------
@@ -309,14 +402,23 @@ def test_compose_box_comes_up_and_prometheus_scrapes_it_with_every_rule(avx512_i
 
     compose = shutil.which("docker-compose")
     assert compose, "docker-compose missing: deploy/install-tools.sh installs Debian's (.ci/run runs it)"
-    built = subprocess.run([str(REPO / "deploy" / "compose" / "build-prometheus-image.sh")], capture_output=True,
-                           text=True, timeout=BUILD_TIMEOUT_S)
+    built = subprocess.run(
+        [str(REPO / "deploy" / "compose" / "build-prometheus-image.sh")],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     prometheus_image = built.stdout.strip().splitlines()[-1]
     server_port, prometheus_port = free_port(), free_port()
     project = f"spark-edge-test-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "SPARK_EDGE_IMAGE": avx512_image, "PROMETHEUS_IMAGE": prometheus_image,
-           "SPARK_EDGE_PORT": str(server_port), "PROMETHEUS_PORT": str(prometheus_port)}
+    env = {
+        **os.environ,
+        "SPARK_EDGE_IMAGE": avx512_image,
+        "PROMETHEUS_IMAGE": prometheus_image,
+        "SPARK_EDGE_PORT": str(server_port),
+        "PROMETHEUS_PORT": str(prometheus_port),
+    }
     base = [compose, "-p", project, "-f", str(COMPOSE)]
     rules = sum(len(group["rules"]) for group in yaml.safe_load(RULES.read_text())["groups"])
     with engine_lock():
@@ -344,6 +446,7 @@ def test_compose_box_comes_up_and_prometheus_scrapes_it_with_every_rule(avx512_i
 
 # --- amx ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def amx_image(docker: None) -> str:
     return build_image("amx")
@@ -357,8 +460,14 @@ def _amx_denied_profile(tmp_path: Path) -> Path:
     """
     profile = {
         "defaultAction": "SCMP_ACT_ALLOW",
-        "syscalls": [{"names": ["arch_prctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
-                      "args": [{"index": 0, "value": 0x1023, "op": "SCMP_CMP_EQ"}]}],
+        "syscalls": [
+            {
+                "names": ["arch_prctl"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": 1,
+                "args": [{"index": 0, "value": 0x1023, "op": "SCMP_CMP_EQ"}],
+            }
+        ],
     }
     path = tmp_path / "no-amx-seccomp.json"
     path.write_text(json.dumps(profile))
@@ -367,13 +476,14 @@ def _amx_denied_profile(tmp_path: Path) -> Path:
 
 def test_amx_image_refuses_a_cpu_without_amx(amx_image: str, tmp_path: Path) -> None:
     host = probe_device()
-    docker_args = [] if not image_fits("amx", host) else [
-        "--security-opt", f"seccomp={_amx_denied_profile(tmp_path)}"]
+    docker_args = [] if not image_fits("amx", host) else ["--security-opt", f"seccomp={_amx_denied_profile(tmp_path)}"]
     start = time.monotonic()
     result = run_once(amx_image, ["serve"], ["--network", "none", *docker_args], timeout_s=300)
     elapsed = time.monotonic() - start
-    print(f"\nspark-edge:amx on a process without AMX: exit {result.returncode} in {elapsed:.1f} s: "
-          f"{result.stderr.strip().splitlines()[-1]}")
+    print(
+        f"\nspark-edge:amx on a process without AMX: exit {result.returncode} in {elapsed:.1f} s: "
+        f"{result.stderr.strip().splitlines()[-1]}"
+    )
     assert result.returncode == 4, result.stderr[-4000:]
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("spark-edge: error: spark-edge:amx needs AMX int8 tiles"), message
@@ -397,7 +507,7 @@ def test_amx_image_serves_w4a8_where_amx_is_usable(amx_image: str) -> None:
         text = c.metrics()
         assert 'weight_path="w4a8"' in text and 'isa="amx"' in text
         assert metric(text, "spark_edge_compile_cache_hits_total") > 0
-        assert metric(text, "spark_edge_compile_cache_misses_total") == 0
+        assert metric_sum(text, "spark_edge_compile_cache_misses_total") == 0
         print(f"\nspark-edge:amx time to ready (baked cache): {c.ready_after_s:.1f} s")
 
 
@@ -438,11 +548,13 @@ def test_arm_image_is_not_warmed_and_says_so_at_start(arm_image: str) -> None:
 def test_arm_image_carries_no_build_leftovers(arm_image: str) -> None:
     venv = "/opt/spark-edge/venv"
     # Its site-packages come from the build host (pip --target): no wheels, pip, cache or host scripts.
-    script = ("test ! -e /wheelhouse && test ! -e /build && test ! -e /root/.cache "
-              f"&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
-              f"&& test ! -e {venv}/bin/pip && test ! -e {venv}/lib/python3.11/site-packages/bin "
-              f"&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf "
-              f"&& test \"$(head -1 {venv}/bin/spark-edge)\" = '#!{venv}/bin/python'")
+    script = (
+        "test ! -e /wheelhouse && test ! -e /build && test ! -e /root/.cache "
+        f"&& ! find / -xdev -name '*.whl' -not -path '/usr/share/python-wheels/*' 2>/dev/null | grep . "
+        f"&& test ! -e {venv}/bin/pip && test ! -e {venv}/lib/python3.11/site-packages/bin "
+        f"&& ! env | grep '^PIP_' && test ! -e /etc/pip.conf "
+        f"&& test \"$(head -1 {venv}/bin/spark-edge)\" = '#!{venv}/bin/python'"
+    )
     result = run_once(arm_image, ["-c", script], ARM + ["--entrypoint", "sh"])
     assert result.returncode == 0, result.stdout + result.stderr
     labels = json.loads(docker_inspect(arm_image, "{{json .Config.Labels}}"))
@@ -455,9 +567,27 @@ def test_arm_image_carries_no_build_leftovers(arm_image: str) -> None:
 def pytest_for_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """pytest and its pure-Python dependencies in a folder to mount: the image itself carries no test tools."""
     target = tmp_path_factory.mktemp("pytest-lib")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                    "-c", str(REPO / "constraints.txt"), "pytest", "pluggy", "iniconfig", "pytest-timeout"],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            "-c",
+            str(REPO / "constraints.txt"),
+            "pytest",
+            "pluggy",
+            "iniconfig",
+            "pytest-timeout",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     target.chmod(0o755)  # pytest makes its temporary folders 0700; the image runs as uid 10001
     return target
 
@@ -487,23 +617,52 @@ def arm_cpuinfo(arm_image: str, tmp_path_factory: pytest.TempPathFactory) -> lis
         return []
     probe = json.loads(run_once(arm_image, ["probe", "--json"], ARM).stdout)
     features = " ".join(["fp", *probe["device"]["features"]])
-    entry = ("processor\t: {n}\nBogoMIPS\t: 100.00\nFeatures\t: {features}\nCPU implementer\t: 0x00\n"
-             "CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0x051\nCPU revision\t: 0\n\n")
+    entry = (
+        "processor\t: {n}\nBogoMIPS\t: 100.00\nFeatures\t: {features}\nCPU implementer\t: 0x00\n"
+        "CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0x051\nCPU revision\t: 0\n\n"
+    )
     path = tmp_path_factory.mktemp("arm-proc") / "cpuinfo"
     path.write_text("".join(entry.format(n=n, features=features) for n in _present_cpus()))
     return ["-v", f"{path}:/proc/cpuinfo:ro"]
 
 
 @pytest.mark.images_arm
-def test_arm_w4a16_kernel_tests_pass_under_emulation(arm_image: str, pytest_for_image: Path,
-                                                     arm_cpuinfo: list[str]) -> None:
-    mounts = ["-v", f"{REPO / 'tests'}:/work/tests:ro", "-v", f"{pytest_for_image}:/work/pylib:ro",
-              "-e", "PYTHONPATH=/work/pylib", "-w", "/work", "--entrypoint", "python", *arm_cpuinfo]
+def test_arm_w4a16_kernel_tests_pass_under_emulation(
+    arm_image: str, pytest_for_image: Path, arm_cpuinfo: list[str]
+) -> None:
+    mounts = [
+        "-v",
+        f"{REPO / 'tests'}:/work/tests:ro",
+        "-v",
+        f"{pytest_for_image}:/work/pylib:ro",
+        "-e",
+        "PYTHONPATH=/work/pylib",
+        "-w",
+        "/work",
+        "--entrypoint",
+        "python",
+        *arm_cpuinfo,
+    ]
     # The W4A16 kernel: quantizer, tinygemm layout, the custom ops on the CPU (no vLLM engine).
     selection = "not vllm_tp1 and not registered and not plugin and not writer"
     with engine_lock():
-        result = run_once(arm_image, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cpu_int4.py",
-                                      "-k", selection, "-o", "addopts="], ARM + mounts, timeout_s=3600)
+        result = run_once(
+            arm_image,
+            [
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_cpu_int4.py",
+                "-k",
+                selection,
+                "-o",
+                "addopts=",
+            ],
+            ARM + mounts,
+            timeout_s=3600,
+        )
     last = (result.stdout.strip() or result.stderr.strip() or "no output").splitlines()[-1]
     print(f"\nspark-edge:arm W4A16 kernel tests under emulation: {last}")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from spark_edge import registry, weight_paths
-from spark_edge.cli import WEIGHT_PATH_CHOICES
 from spark_edge.probe.images import IMAGES
 from spark_edge.probe.weight_path_choice import WEIGHT_PATHS
+from spark_edge.settings import WEIGHT_PATH_CHOICES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,8 +59,9 @@ def test_images_name_their_dockerfile_and_a_registered_weight_path() -> None:
 @pytest.mark.parametrize("name", [i.name for i in registry.IMAGES.values()])
 def test_the_dockerfiles_arg_defaults_are_the_registrys_build_arguments(name: str) -> None:
     """`docker build` by hand gets what `make image-*` passes (build-image.sh reads the registry)."""
-    out = subprocess.run([sys.executable, "-m", "spark_edge.registry", "image-args", name], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "spark_edge.registry", "image-args", name], capture_output=True, text=True, check=True
+    ).stdout
     wanted = dict(line.split("=", 1) for line in out.splitlines())
     text = (REPO / f"Dockerfile.{name}").read_text()
     for key, value in wanted.items():
@@ -71,6 +72,7 @@ def test_the_dockerfiles_arg_defaults_are_the_registrys_build_arguments(name: st
 
 
 def test_image_args_refuses_an_unknown_image() -> None:
-    done = subprocess.run([sys.executable, "-m", "spark_edge.registry", "image-args", "avx2"], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "spark_edge.registry", "image-args", "avx2"], capture_output=True, text=True
+    )
     assert done.returncode == 2 and "amx|avx512|arm" in done.stderr

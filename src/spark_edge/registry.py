@@ -12,14 +12,14 @@ image, an entry in IMAGES and its Dockerfile. Torch-free, so `plan`, `probe` and
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from spark_edge.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from spark_edge.checkpoints.sources import CheckpointSource
     from spark_edge.planning.model_shape import ModelShape
     from spark_edge.probe.device import DeviceProfile
@@ -46,6 +46,7 @@ class WeightPath:
 
 
 # --- bf16 ---------------------------------------------------------------------------------------------
+
 
 def _bf16_bytes(shape: ModelShape, group: int) -> int:
     embedding = BF16 * shape.vocab * shape.hidden
@@ -82,8 +83,12 @@ def _w4a8_linear(n: int, k: int, group: int) -> int:
 def _w4a8_bytes(shape: ModelShape, group: int) -> int:
     # a bf16 table for the lookup plus a separate 4-bit head
     linears = sum(_w4a8_linear(n, k, group) for n, k in shape.linear_shapes())
-    return linears + BF16 * shape.vocab * shape.hidden + _w4a8_linear(shape.vocab, shape.hidden, group) + \
-        BF16 * shape.norm_params()
+    return (
+        linears
+        + BF16 * shape.vocab * shape.hidden
+        + _w4a8_linear(shape.vocab, shape.hidden, group)
+        + BF16 * shape.norm_params()
+    )
 
 
 def w4a8_group(ks: Iterable[int]) -> int:
@@ -101,17 +106,40 @@ def _w4a8_refusal(profile: DeviceProfile) -> str | None:
     return None
 
 
-WEIGHT_PATHS: dict[str, WeightPath] = {p.name: p for p in (
-    WeightPath("bf16", "the source's weights cast to bfloat16, unquantized",
-               "spark_edge.weight_paths.bf16:write_bf16", None, _bf16_bytes, 0.02, None),
-    WeightPath("w4a16", "4-bit group-wise weights, bf16 activations (spark-edge's cpu_int4 kernels)",
-               "spark_edge.weight_paths.w4a16:write_w4a16", "cpu_int4", _w4a16_bytes, 0.02,
-               lambda ks: W4A16_GROUP),
-    # vLLM's own repack at load is not measured yet: a conservative half of the weights
-    WeightPath("w4a8", "symmetric 4-bit GPTQ weights, int8 activations (vLLM's AMX W4A8 kernel)",
-               "spark_edge.weight_paths.w4a8:write_w4a8", "gptq", _w4a8_bytes, 0.50, w4a8_group,
-               _w4a8_refusal),
-)}
+WEIGHT_PATHS: dict[str, WeightPath] = {
+    p.name: p
+    for p in (
+        WeightPath(
+            "bf16",
+            "the source's weights cast to bfloat16, unquantized",
+            "spark_edge.weight_paths.bf16:write_bf16",
+            None,
+            _bf16_bytes,
+            0.02,
+            None,
+        ),
+        WeightPath(
+            "w4a16",
+            "4-bit group-wise weights, bf16 activations (spark-edge's cpu_int4 kernels)",
+            "spark_edge.weight_paths.w4a16:write_w4a16",
+            "cpu_int4",
+            _w4a16_bytes,
+            0.02,
+            lambda ks: W4A16_GROUP,
+        ),
+        # vLLM's own repack at load is not measured yet: a conservative half of the weights
+        WeightPath(
+            "w4a8",
+            "symmetric 4-bit GPTQ weights, int8 activations (vLLM's AMX W4A8 kernel)",
+            "spark_edge.weight_paths.w4a8:write_w4a8",
+            "gptq",
+            _w4a8_bytes,
+            0.50,
+            w4a8_group,
+            _w4a8_refusal,
+        ),
+    )
+}
 
 
 def weight_path(name: str) -> WeightPath:
@@ -123,6 +151,7 @@ def weight_path(name: str) -> WeightPath:
 
 # --- images -------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Image:
     isa: str  # the probe's name for the CPU family it targets
@@ -132,20 +161,32 @@ class Image:
     needs: str  # what the host must have, said to a user whose host lacks it
     fits: Callable[[DeviceProfile], bool]  # the probe's requirement
     arch: str  # the Debian/docker architecture it is built for
+    recipe: str | None = None  # a shared recipe built after the image's own Dockerfile (repo-relative)
     build_args: dict[str, str] = field(default_factory=dict)  # beyond IMAGE_ISA, WEIGHT_PATH and ARCH
 
     @property
     def dockerfile(self) -> str:
         return f"Dockerfile.{self.name}"
 
+    def dockerfile_text(self, repo: Path) -> str:
+        """What docker builds: the image's own Dockerfile (what it is: its ARG defaults), then the recipe."""
+        text = (repo / self.dockerfile).read_text()
+        return text + (repo / self.recipe).read_text() if self.recipe else text
+
     def docker_build_args(self) -> dict[str, str]:
         from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 
-        return {"IMAGE_ISA": self.isa, "WEIGHT_PATH": self.weight_path, "ARCH": self.arch,
-                "SERVED_NAME": DEFAULT_MODEL_ID, **self.build_args}
+        return {
+            "IMAGE_ISA": self.isa,
+            "WEIGHT_PATH": self.weight_path,
+            "ARCH": self.arch,
+            "SERVED_NAME": DEFAULT_MODEL_ID,
+            **self.build_args,
+        }
 
 
 # The probe's requirements. spark_edge.probe imports this module: its ISA questions are imported on use.
+
 
 def _amx(profile: DeviceProfile) -> bool:
     from spark_edge.probe.isa import amx_w4a8_ready, has_avx512, host_problem
@@ -165,15 +206,34 @@ def _arm64(profile: DeviceProfile) -> bool:
     return host_problem(profile) is None and profile.machine == "aarch64"
 
 
+X86_RECIPE = "docker/x86.Dockerfile"  # both x86-64 images are built by one recipe; their Dockerfiles say what differs
 # In order of preference: the most specific image a host runs is the one recommended.
-IMAGES: dict[str, Image] = {i.isa: i for i in (
-    Image("amx", "amx", "spark-edge:amx", "w4a8", "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
-          _amx, "amd64"),
-    Image("avx512", "avx512", "spark-edge:avx512", "w4a16", "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
-          _avx512, "amd64"),
-    Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)",
-          _arm64, "arm64"),
-)}
+IMAGES: dict[str, Image] = {
+    i.isa: i
+    for i in (
+        Image(
+            "amx",
+            "amx",
+            "spark-edge:amx",
+            "w4a8",
+            "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
+            _amx,
+            "amd64",
+            X86_RECIPE,
+        ),
+        Image(
+            "avx512",
+            "avx512",
+            "spark-edge:avx512",
+            "w4a16",
+            "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
+            _avx512,
+            "amd64",
+            X86_RECIPE,
+        ),
+        Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)", _arm64, "arm64"),
+    )
+}
 
 
 def image(isa: str) -> Image:
@@ -183,17 +243,24 @@ def image(isa: str) -> Image:
         raise ValueError(f"unknown image ISA {isa!r}; known: {', '.join(IMAGES)}") from None
 
 
+REPO = Path(__file__).resolve().parents[2]  # a source checkout: where the Dockerfiles are
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m spark_edge.registry image-args NAME`: the Docker build arguments of the image whose
-    Dockerfile is Dockerfile.NAME, as KEY=VALUE lines (docker/build-image.sh passes them to the build)."""
+    """For docker/build-image.sh, about the image whose Dockerfile is Dockerfile.NAME:
+    `python -m spark_edge.registry image-args NAME`: its Docker build arguments, as KEY=VALUE lines;
+    `python -m spark_edge.registry dockerfile NAME`: the Dockerfile text docker builds."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     names = {i.name: i for i in IMAGES.values()}
-    if len(args) != 2 or args[0] != "image-args" or args[1] not in names:
-        print(f"usage: python -m spark_edge.registry image-args {'|'.join(names)}", file=sys.stderr)
+    if len(args) != 2 or args[0] not in ("image-args", "dockerfile") or args[1] not in names:
+        print(f"usage: python -m spark_edge.registry image-args|dockerfile {'|'.join(names)}", file=sys.stderr)
         return 2
     chosen = names[args[1]]
+    if args[0] == "dockerfile":
+        sys.stdout.write(chosen.dockerfile_text(REPO))
+        return 0
     for key, value in chosen.docker_build_args().items():
         print(f"{key}={value}")
     return 0
