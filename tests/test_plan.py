@@ -11,18 +11,31 @@ from click.testing import CliRunner
 
 from spark_edge import exit_codes
 from spark_edge.cli import main
-from spark_edge.planning.memory_plan import (MIN_CONTEXT, MIN_PREFILL_CHUNK, PREFILL_CHUNK_TOKENS,
-                                              PROMPT_LOGPROBS_BYTES_PER_LOGIT, MemoryPlan, MiB, PlanRefused,
-                                              activation_bytes, kv_bytes_for, logits_transient_bytes, make_plan,
-                                              resident_weight_bytes)
+from spark_edge.planning.memory_plan import (
+    MIN_CONTEXT,
+    MIN_PREFILL_CHUNK,
+    PREFILL_CHUNK_TOKENS,
+    PROMPT_LOGPROBS_BYTES_PER_LOGIT,
+    MemoryPlan,
+    MiB,
+    PlanRefused,
+    activation_bytes,
+    kv_bytes_for,
+    logits_transient_bytes,
+    make_plan,
+    resident_weight_bytes,
+)
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import weight_bytes
+from spark_edge.probe.memory import MemoryBudget
 
-SMOLLM2 = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                     tied_embeddings=True)
+SMOLLM2 = ModelShape(
+    layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, tied_embeddings=True
+)
 # Spark-X2.5-1.7B as the reference facts give it (fused QKV and the head gate aside)
-SPARK = ModelShape(layers=28, hidden=2048, intermediate=6656, heads=8, kv_heads=2, head_dim=256, vocab=131072,
-                   tied_embeddings=True)
+SPARK = ModelShape(
+    layers=28, hidden=2048, intermediate=6656, heads=8, kv_heads=2, head_dim=256, vocab=131072, tied_embeddings=True
+)
 
 
 def test_kv_bytes_per_token() -> None:
@@ -48,8 +61,9 @@ def test_4bit_paths_are_about_a_quarter_of_bf16() -> None:
     assert weight_bytes(SPARK, "w4a8", 128) > weight_bytes(SPARK, "w4a16", 128)
 
 
-SMOLLM2_1_7B = ModelShape(layers=24, hidden=2048, intermediate=8192, heads=32, kv_heads=32, head_dim=64, vocab=49152,
-                          tied_embeddings=True)
+SMOLLM2_1_7B = ModelShape(
+    layers=24, hidden=2048, intermediate=8192, heads=32, kv_heads=32, head_dim=64, vocab=49152, tied_embeddings=True
+)
 
 
 def test_resident_bf16_weights_follow_the_vocabulary_table_not_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,8 +113,12 @@ def test_a_tight_ceiling_shrinks_the_prefill_chunk_then_kv_then_context() -> Non
 
 def _plan_with_chunk(plan: MemoryPlan, chunk: int) -> MemoryPlan:
     """The same plan with another prefill chunk (its activations and sliding KV follow)."""
-    return replace(plan, max_num_batched_tokens=chunk, activation_bytes=activation_bytes(SMOLLM2, chunk, plan.max_num_seqs),
-                   logits_transient_bytes=logits_transient_bytes(SMOLLM2, chunk))
+    return replace(
+        plan,
+        max_num_batched_tokens=chunk,
+        activation_bytes=activation_bytes(SMOLLM2, chunk, plan.max_num_seqs),
+        logits_transient_bytes=logits_transient_bytes(SMOLLM2, chunk),
+    )
 
 
 def test_too_small_a_ceiling_is_refused_with_numbers() -> None:
@@ -109,8 +127,10 @@ def test_too_small_a_ceiling_is_refused_with_numbers() -> None:
 
 
 def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> None:
-    result = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint), "--weight-path", "bf16",
-                                               "--memory-limit", str(512 * MiB), "--json"])
+    result = CliRunner().invoke(
+        main,
+        ["plan", "--model", str(bf16_checkpoint), "--weight-path", "bf16", "--memory-limit", str(512 * MiB), "--json"],
+    )
     assert result.exit_code == exit_codes.MEMORY
     out = json.loads(result.stdout)
     assert out["fits"] is False and out["peak_bytes"] > out["budget_bytes"]
@@ -120,9 +140,8 @@ def test_plan_command_refuses_with_exit_code_and_json(bf16_checkpoint: Path) -> 
 
 # --- the ceiling a server plans under ---------------------------------------------------------------
 
-def _budget(limit: int | None, used: int | None, available: int = 20 << 30) -> "MemoryBudget":
-    from spark_edge.probe.memory import MemoryBudget
 
+def _budget(limit: int | None, used: int | None, available: int = 20 << 30) -> MemoryBudget:
     ceiling = available if limit is None else min(available, limit - (used or 0))
     return MemoryBudget(24 << 30, available, limit, used, ceiling)
 
@@ -162,7 +181,9 @@ def test_a_load_peak_over_the_plan_calibrates_the_next_plan(tmp_path: Path, monk
     first = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048)
     measured = first.load_peak_bytes + 210 * MiB  # what an AMD Zen 4 host measured over the Intel-made constant
     assert record_load_peak(here, first, "engine", measured, "a CPU") == first.baseline_bytes + 210 * MiB
-    second = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048, calibrated_baseline=calibrated_baseline(here, "w4a16", "engine"))
+    second = make_plan(
+        SMOLLM2, "w4a16", 16 << 30, 2048, calibrated_baseline=calibrated_baseline(here, "w4a16", "engine")
+    )
     assert second.load_peak_bytes == measured  # an upper bound from now on, on this host only
     assert calibrated_baseline(elsewhere, "w4a16", "engine") is None
     assert calibrated_baseline(here, "bf16", "engine") is None and calibrated_baseline(here, "w4a16", "split") is None
@@ -180,3 +201,14 @@ def test_an_unreadable_calibration_is_ignored(tmp_path: Path, monkeypatch: pytes
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert calibrated_baseline(["avx2"], "bf16", "engine") is None
+
+
+def test_plan_reads_serves_variables_as_serve_does(bf16_checkpoint: Path) -> None:
+    """In a pod's environment `plan` prints the plan `serve` runs with: the same settings, variables included."""
+    env = {"SPARK_EDGE_MAX_MODEL_LEN": "1024", "SPARK_EDGE_MAX_NUM_SEQS": "2", "SPARK_EDGE_WEIGHT_PATH": "bf16"}
+    result = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint), "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert (planned["max_model_len"], planned["max_num_seqs"], planned["weight_path"]) == (1024, 2, "bf16")
+    bad = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint)], env={"SPARK_EDGE_MAX_NUM_SEQS": "x"})
+    assert bad.exit_code == exit_codes.USAGE and "SPARK_EDGE_MAX_NUM_SEQS" in bad.output

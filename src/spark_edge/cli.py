@@ -5,19 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import click
 
 from spark_edge import __version__
-from spark_edge import weight_paths
 from spark_edge.errors import SparkEdgeError
-from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 from spark_edge.serving.passthrough import VLLM_ARGS_ENV
-from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
-from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
-
-WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
+from spark_edge.settings import WEIGHT_PATH_CHOICES, serve_options
 
 
 def _fail(message: str, code: int) -> None:
@@ -46,21 +40,47 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--weight-path", type=click.Choice(WEIGHT_PATH_CHOICES), default="bf16", show_default=True,
-              help="Weight format to build.")
-@click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="Source: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct).")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Output folder (default: under $SPARK_EDGE_HOME/checkpoints).")
-@click.option("--group-size", type=click.IntRange(8), default=None,
-              help="4-bit paths: inputs per scale group (w4a16 default 32; w4a8 default the largest of "
-                   "128/64/32 dividing every K).")
-@click.option("--search/--no-search", default=None,
-              help="4-bit paths: per-group scale search (w4a16 default on; w4a8 default off: on the default "
-                   "model its squared-error search clips the values that matter most).")
+@click.option(
+    "--weight-path",
+    type=click.Choice(WEIGHT_PATH_CHOICES),
+    default="bf16",
+    show_default=True,
+    help="Weight format to build.",
+)
+@click.option(
+    "--model",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Source: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (default: under $SPARK_EDGE_HOME/checkpoints).",
+)
+@click.option(
+    "--group-size",
+    type=click.IntRange(8),
+    default=None,
+    help="4-bit paths: inputs per scale group (w4a16 default 32; w4a8 default the largest of "
+    "128/64/32 dividing every K).",
+)
+@click.option(
+    "--search/--no-search",
+    default=None,
+    help="4-bit paths: per-group scale search (w4a16 default on; w4a8 default off: on the default "
+    "model its squared-error search clips the values that matter most).",
+)
 @click.option("--keep-embedding", is_flag=True, help="w4a16: keep the embedding / tied head in bf16.")
-def build(weight_path: str, model: Path | None, out: Path | None, group_size: int | None, search: bool | None,
-          keep_embedding: bool) -> None:
+def build(
+    weight_path: str,
+    model: Path | None,
+    out: Path | None,
+    group_size: int | None,
+    search: bool | None,
+    keep_embedding: bool,
+) -> None:
     """Build a servable Hugging Face checkpoint for one weight path."""
     from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
@@ -89,56 +109,6 @@ def build_params(weight_path: str, group_size: int | None, search: bool | None, 
     return params
 
 
-def _setting(*decls: str, envvar: str, **kwargs) -> Callable:
-    """A serve option: its environment variable is declared here and shown in --help."""
-    return click.option(*decls, envvar=envvar, show_envvar=True, **kwargs)
-
-
-def _serve_options(f):
-    """The options `serve` and `warm` share: warm must build what serve will run, to the byte. Each reads an
-    environment variable, shown in --help; the README's table is generated from them (spark_edge.settings_table)."""
-    for option in reversed([
-        _setting("--model", type=click.Path(path_type=Path), default=None, envvar="SPARK_EDGE_MODEL",
-                 help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
-                      "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry)."),
-        _setting("--weight-path", type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]), default="auto",
-                 show_default=True, envvar="SPARK_EDGE_WEIGHT_PATH",
-                 help="auto: what `spark-edge probe` picks for this host."),
-        _setting("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
-                 envvar="SPARK_EDGE_PRIORITY", help="fidelity prefers bf16 activations (w4a16) over w4a8."),
-        _setting("--host", default="127.0.0.1", show_default=True, envvar="SPARK_EDGE_HOST",
-                 help="Address to listen on (0.0.0.0: every interface; the images use it)."),
-        _setting("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
-                 envvar="SPARK_EDGE_PORT", help="Port to listen on."),
-        _setting("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True,
-                 envvar="SPARK_EDGE_MAX_MODEL_LEN",
-                 help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it)."),
-        _setting("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True,
-                 envvar="SPARK_EDGE_MAX_NUM_SEQS", help="Requests decoded together."),
-        _setting("--memory-limit", type=click.IntRange(1), default=None, envvar="SPARK_EDGE_MEMORY_LIMIT",
-                 help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit)."),
-        _setting("--api-key", default=None, envvar="SPARK_EDGE_API_KEY",
-                 help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
-                      "a command line is visible to other users)."),
-        _setting("--api-key-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
-                 envvar="SPARK_EDGE_API_KEY_FILE", help="Read the API key from this file (first line)."),
-        _setting("--shutdown-timeout", type=click.IntRange(0), default=20, show_default=True,
-                 envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
-                 help="Seconds in-flight requests get to finish after SIGTERM before they are aborted "
-                      "(0: abort at once)."),
-        _setting("--max-request-bytes", type=click.IntRange(1024), default=DEFAULT_MAX_REQUEST_BYTES,
-                 show_default=True, envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
-                 help="Largest request body accepted; a larger one gets 413 before it is read."),
-        _setting("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
-                 envvar="SPARK_EDGE_PROCESS_LAYOUT",
-                 help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
-                      "split: vLLM's default, the worker in a process of its own."),
-        click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_OPTIONS...]"),
-    ]):
-        f = option(f)
-    return f
-
-
 def _run_server(serve_mode: bool, vllm_args: tuple[str, ...], **kwargs) -> None:
     from spark_edge.serving.passthrough import vllm_args_from
     from spark_edge.serving.serve import ServeRequest, run
@@ -146,21 +116,25 @@ def _run_server(serve_mode: bool, vllm_args: tuple[str, ...], **kwargs) -> None:
     run(ServeRequest(**kwargs, vllm_args=vllm_args_from(dict(os.environ), vllm_args)), log=_log, serve=serve_mode)
 
 
-_PASS_THROUGH_HELP = (f"\n\nvLLM's own server options follow `--` (and ${VLLM_ARGS_ENV}, shell words, before them); "
-                      "`-- --help` lists them. What spark-edge decides (context, KV size, sequences, prefill chunk, "
-                      "dtype, quantization, host, port, API key, process layout) is refused there, naming the "
-                      "option to use instead.")
+_PASS_THROUGH_HELP = (
+    f"\n\nvLLM's own server options follow `--` (and ${VLLM_ARGS_ENV}, shell words, before them); "
+    "`-- --help` lists them. What spark-edge decides (context, KV size, sequences, prefill chunk, "
+    "dtype, quantization, host, port, API key, process layout) is refused there, naming the "
+    "option to use instead."
+)
 
 
 @main.command(help="Probe, plan and serve a model through vLLM's OpenAI-compatible API." + _PASS_THROUGH_HELP)
-@_serve_options
+@serve_options
 def serve(**kwargs) -> None:
     _run_server(True, **kwargs)
 
 
-@main.command(help="Build the checkpoint and fill the compile cache for `serve` with the same options, then exit."
-              + _PASS_THROUGH_HELP)
-@_serve_options
+@main.command(
+    help="Build the checkpoint and fill the compile cache for `serve` with the same options, then exit."
+    + _PASS_THROUGH_HELP
+)
+@serve_options
 def warm(**kwargs) -> None:
     _run_server(False, **kwargs)
 

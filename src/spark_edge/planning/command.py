@@ -7,9 +7,7 @@ from pathlib import Path
 
 import click
 
-from spark_edge import weight_paths
-from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+from spark_edge.settings import plan_options
 
 
 def model_config(model: Path | None) -> dict:
@@ -22,37 +20,30 @@ def model_config(model: Path | None) -> dict:
 
 
 @click.command()
-@click.option("--model", type=click.Path(path_type=Path), default=None, help="Default: SmolLM2-135M-Instruct.")
-@click.option("--weight-path", type=click.Choice(list(weight_paths.NAMES)), default=None,
-              help="Default: what a folder `spark-edge build` made was built for, else what `spark-edge probe` "
-                   "picks for this host.")
-@click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed", show_default=True,
-              help="As `spark-edge serve --priority`, for the probe's pick.")
-@click.option("--max-model-len", type=click.IntRange(16), default=DEFAULT_MAX_MODEL_LEN, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(1), default=DEFAULT_MAX_NUM_SEQS, show_default=True)
-@click.option("--memory-limit", type=click.IntRange(1), default=None,
-              help="Ceiling in bytes (default: as `serve` finds it: what the probe finds free under the cgroup "
-                   "limit or in host memory, plus what this process holds).")
-@click.option("--process-layout", type=click.Choice(LAYOUTS), default=DEFAULT_LAYOUT, show_default=True,
-              help="As `spark-edge serve --process-layout`: vLLM's worker process costs its own runtime baseline.")
+@plan_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plan(model: Path | None, weight_path: str | None, priority: str, max_model_len: int, max_num_seqs: int,
-         memory_limit: int | None, process_layout: str, as_json: bool) -> None:
-    """Predict load peak and steady anonymous RSS, and the context that fits: the plan `serve` runs with."""
-    from spark_edge.planning.ceiling import serving_ceiling
+def plan(
+    model: Path | None,
+    weight_path: str,
+    priority: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    memory_limit: int | None,
+    process_layout: str,
+    as_json: bool,
+) -> None:
+    """Predict load peak and steady anonymous RSS, and the context that fits: the plan `serve` runs with
+    (the same options and SPARK_EDGE_* variables)."""
     from spark_edge.errors import PlanRefused
-    from spark_edge.planning.serving_plan import serving_plan
+    from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
     from spark_edge.probe.device import probe_device
-    from spark_edge.probe.weight_path_choice import select_weight_path
-    from spark_edge.serving.checkpoint import built_weight_path
 
     device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
-    choice = select_weight_path(device, priority, weight_path)  # as serve: refuses a host that cannot run it
-    path = built_weight_path(model) or choice.name
-    config = model_config(model)
-    ceiling = serving_ceiling(device.memory, memory_limit)
+    choice = resolve_weight_path(device, priority, weight_path)  # as serve's
     try:
-        result = serving_plan(device, config, path, ceiling, max_model_len, max_num_seqs, process_layout)
+        result = resolve_plan(
+            device, choice, model, model_config(model), memory_limit, max_model_len, max_num_seqs, process_layout
+        ).plan
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))

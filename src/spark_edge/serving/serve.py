@@ -10,32 +10,31 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import click
 
 from spark_edge import __version__
+from spark_edge.errors import UnsupportedHostError
 from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, rss_anon_bytes
 from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
-from spark_edge.planning.ceiling import Ceiling, serving_ceiling
 from spark_edge.planning.calibration import record_load_peak
+from spark_edge.planning.ceiling import Ceiling
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
-from spark_edge.planning.serving_plan import serving_plan
+from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
 from spark_edge.probe.device import DeviceProfile, probe_device
-from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.images import image_isa_problem
-from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
+from spark_edge.probe.weight_path_choice import WeightPathChoice
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining, passthrough, request_limits
-from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving
+from spark_edge.serving.checkpoint import checkpoint_for_serving
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
-
 
 # SIGTERM: in-flight requests get this long to finish before they are aborted (vLLM's drain mode)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20  # inside the 30 s Kubernetes gives by default, with room to tear down
@@ -183,27 +182,48 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         device = probe_device()
         own_anon = rss_anon_bytes(os.getpid())  # at the moment the cgroup's usage was read
         _refuse_wrong_image(device)
-        explicit = None if req.weight_path == "auto" else req.weight_path
-        choice = select_weight_path(device, req.priority, explicit)
+        choice = resolve_weight_path(device, req.priority, req.weight_path)
     with phases.phase("checkpoint"):
         checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
         config = json.loads((checkpoint / "config.json").read_text())
         check_cpu_int4_tensors(checkpoint, config)
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
-    path = built_weight_path(checkpoint) or choice.name
-    ceiling = serving_ceiling(device.memory, req.memory_limit, own_anon)
-    plan = serving_plan(device, config, path, ceiling, req.max_model_len, req.max_num_seqs, req.process_layout)
+    resolved = resolve_plan(
+        device,
+        choice,
+        checkpoint,
+        config,
+        req.memory_limit,
+        req.max_model_len,
+        req.max_num_seqs,
+        req.process_layout,
+        own_anon,
+    )
+    path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
     # one cache root per weight path: its stamp names the path, so paths never evict each other
-    return Prepared(device, choice, checkpoint, served_name, path, plan, _fresh_run_dir(),
-                    spark_edge_home() / "vllm-cache" / path, phases, sampler, ceiling)
+    return Prepared(
+        device,
+        choice,
+        checkpoint,
+        served_name,
+        path,
+        plan,
+        _fresh_run_dir(),
+        spark_edge_home() / "vllm-cache" / path,
+        phases,
+        sampler,
+        ceiling,
+    )
 
 
 def startup_summary(p: Prepared) -> str:
     d, c = p.device, p.choice
     unverified = "" if c.verified else " [not yet verified on this CPU class]"
-    return (f"device: {d.machine} {isa_label(d)}, {d.cpus.usable_cores} usable cores, {p.ceiling.describe()} | "
-            f"weight path: {p.weight_path} ({c.reason}){unverified} | plan: {p.plan.summary()}")
+    return (
+        f"device: {d.machine} {isa_label(d)}, {d.cpus.usable_cores} usable cores, {p.ceiling.describe()} | "
+        f"weight path: {p.weight_path} ({c.reason}){unverified} | plan: {p.plan.summary()}"
+    )
 
 
 def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> None:
@@ -227,25 +247,41 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
 
     from spark_edge.metrics.prometheus import ServerFacts, install
     from spark_edge.serving.launch import run_openai_server
-    facts = ServerFacts(isa=isa_label(p.device), weight_path=p.weight_path, version=__version__,
-                        vllm_version=vllm.__version__, memory_limit_bytes=p.plan.ceiling_bytes, run_dir=p.run_dir,
-                        startup_seconds=p.phases.seconds, max_model_len=p.plan.max_model_len,
-                        requested_max_model_len=p.plan.requested_max_model_len,
-                        plan_steady_bytes=p.plan.steady_bytes, plan_load_peak_bytes=p.plan.load_peak_bytes,
-                        plan_peak_bytes=p.plan.peak_bytes)
+
+    facts = ServerFacts(
+        isa=isa_label(p.device),
+        weight_path=p.weight_path,
+        version=__version__,
+        vllm_version=vllm.__version__,
+        memory_limit_bytes=p.plan.ceiling_bytes,
+        run_dir=p.run_dir,
+        startup_seconds=p.phases.seconds,
+        max_model_len=p.plan.max_model_len,
+        requested_max_model_len=p.plan.requested_max_model_len,
+        plan_steady_bytes=p.plan.steady_bytes,
+        plan_load_peak_bytes=p.plan.load_peak_bytes,
+        plan_peak_bytes=p.plan.peak_bytes,
+    )
     install(facts, p.sampler)
-    log(startup_summary(p) + f" | compile cache: {p.cache_root} ({cache.reason})"
-        + (" | API key required on /v1" if api_key else ""))
+    log(
+        startup_summary(p)
+        + f" | compile cache: {p.cache_root} ({cache.reason})"
+        + (" | API key required on /v1" if api_key else "")
+    )
     if passed := passthrough.describe(req.vllm_args, users_env, set(env)):
         log(passed)
     for note in p.choice.notes:
         log(f"note: {note}")
     if p.plan.reduced_context:
-        log(f"memory: serving a {p.plan.max_model_len}-token context, not the {p.plan.requested_max_model_len} "
-            f"asked for: only that fits under the {p.ceiling.describe()}")
+        log(
+            f"memory: serving a {p.plan.max_model_len}-token context, not the {p.plan.requested_max_model_len} "
+            f"asked for: only that fits under the {p.ceiling.describe()}"
+        )
     if p.plan.reduced_prefill_chunk:
-        log(f"memory: prefilling {p.plan.max_num_batched_tokens} tokens per step, not {PREFILL_CHUNK_TOKENS}: "
-            f"only that fits under the {p.ceiling.describe()}")
+        log(
+            f"memory: prefilling {p.plan.max_num_batched_tokens} tokens per step, not {PREFILL_CHUNK_TOKENS}: "
+            f"only that fits under the {p.ceiling.describe()}"
+        )
     engine_start = time.monotonic()
 
     def on_engine_ready() -> None:
@@ -255,13 +291,18 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         facts.load_peak_bytes = p.sampler.peak
         p.sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)  # the load peak is taken: no need for 20 ms
         seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
-        log(f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
-            f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)")
+        log(
+            f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
+            f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)"
+        )
         if p.sampler.peak > p.plan.load_peak_bytes:
-            baseline = record_load_peak(sorted(p.device.features), p.plan, req.process_layout, p.sampler.peak,
-                                        p.device.cpu_model)
-            log(f"memory: the load peak ran {(p.sampler.peak - p.plan.load_peak_bytes) / 2**20:.0f} MiB over the "
+            baseline = record_load_peak(
+                sorted(p.device.features), p.plan, req.process_layout, p.sampler.peak, p.device.cpu_model
+            )
+            log(
+                f"memory: the load peak ran {(p.sampler.peak - p.plan.load_peak_bytes) / 2**20:.0f} MiB over the "
                 f"plan on this host; its runtime baseline is now calibrated at {baseline / 2**20:.0f} MiB for the "
-                f"next start (planning/calibration.py)")
+                f"next start (planning/calibration.py)"
+            )
 
     run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve)

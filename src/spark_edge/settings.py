@@ -1,0 +1,150 @@
+"""Every setting of `serve` and `warm`, declared once: its flag, environment variable, default and help.
+
+click shows each variable in --help, a bad value in one is the same usage error as the flag's (exit 2, naming
+the variable), and the README's table is generated from these declarations (spark_edge.readme_tables).
+`plan` takes the ones its plan depends on from here too, variables included, so in a pod's environment it
+prints the plan `serve` runs with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from spark_edge import weight_paths
+from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
+
+WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
+# What the memory plan depends on: `spark-edge plan` takes these, `serve` and `warm` all of them
+PLAN_SETTINGS = ("model", "weight_path", "priority", "max_model_len", "max_num_seqs", "memory_limit", "process_layout")
+
+
+def setting(*decls: str, envvar: str, **kwargs) -> Callable:
+    """A setting: its environment variable is declared with it and shown in --help."""
+    return click.option(*decls, envvar=envvar, show_envvar=True, **kwargs)
+
+
+SETTINGS: dict[str, Callable] = {
+    "model": setting(
+        "--model",
+        type=click.Path(path_type=Path),
+        default=None,
+        envvar="SPARK_EDGE_MODEL",
+        help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
+        "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry).",
+    ),
+    "weight_path": setting(
+        "--weight-path",
+        type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]),
+        default="auto",
+        show_default=True,
+        envvar="SPARK_EDGE_WEIGHT_PATH",
+        help="auto: what a folder `spark-edge build` made was built for, else what `spark-edge probe` picks "
+        "for this host.",
+    ),
+    "priority": setting(
+        "--priority",
+        type=click.Choice(["speed", "fidelity"]),
+        default="speed",
+        show_default=True,
+        envvar="SPARK_EDGE_PRIORITY",
+        help="fidelity prefers bf16 activations (w4a16) over w4a8.",
+    ),
+    "host": setting(
+        "--host",
+        default="127.0.0.1",
+        show_default=True,
+        envvar="SPARK_EDGE_HOST",
+        help="Address to listen on (0.0.0.0: every interface; the images use it).",
+    ),
+    "port": setting(
+        "--port",
+        type=click.IntRange(1, 65535),
+        default=8000,
+        show_default=True,
+        envvar="SPARK_EDGE_PORT",
+        help="Port to listen on.",
+    ),
+    "max_model_len": setting(
+        "--max-model-len",
+        type=click.IntRange(16),
+        default=DEFAULT_MAX_MODEL_LEN,
+        show_default=True,
+        envvar="SPARK_EDGE_MAX_MODEL_LEN",
+        help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it).",
+    ),
+    "max_num_seqs": setting(
+        "--max-num-seqs",
+        type=click.IntRange(1),
+        default=DEFAULT_MAX_NUM_SEQS,
+        show_default=True,
+        envvar="SPARK_EDGE_MAX_NUM_SEQS",
+        help="Requests decoded together.",
+    ),
+    "memory_limit": setting(
+        "--memory-limit",
+        type=click.IntRange(1),
+        default=None,
+        envvar="SPARK_EDGE_MEMORY_LIMIT",
+        help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit).",
+    ),
+    "api_key": setting(
+        "--api-key",
+        default=None,
+        envvar="SPARK_EDGE_API_KEY",
+        help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
+        "a command line is visible to other users).",
+    ),
+    "api_key_file": setting(
+        "--api-key-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        envvar="SPARK_EDGE_API_KEY_FILE",
+        help="Read the API key from this file (first line).",
+    ),
+    "shutdown_timeout": setting(
+        "--shutdown-timeout",
+        type=click.IntRange(0),
+        default=20,
+        show_default=True,
+        envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
+        help="Seconds in-flight requests get to finish after SIGTERM before they are aborted (0: abort at once).",
+    ),
+    "max_request_bytes": setting(
+        "--max-request-bytes",
+        type=click.IntRange(1024),
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        show_default=True,
+        envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
+        help="Largest request body accepted; a larger one gets 413 before it is read.",
+    ),
+    "process_layout": setting(
+        "--process-layout",
+        type=click.Choice(LAYOUTS),
+        default=DEFAULT_LAYOUT,
+        show_default=True,
+        envvar="SPARK_EDGE_PROCESS_LAYOUT",
+        help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
+        "split: vLLM's default, the worker in a process of its own.",
+    ),
+}
+VLLM_ARGS = click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_OPTIONS...]")
+
+
+def _apply(f: Callable, decorators: list[Callable]) -> Callable:
+    for decorator in reversed(decorators):  # the first listed is the first in --help
+        f = decorator(f)
+    return f
+
+
+def serve_options(f: Callable) -> Callable:
+    """What `serve` and `warm` take: warm must build what serve will run, to the byte."""
+    return _apply(f, [*SETTINGS.values(), VLLM_ARGS])
+
+
+def plan_options(f: Callable) -> Callable:
+    return _apply(f, [SETTINGS[name] for name in PLAN_SETTINGS])
