@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch.nn import Module, Parameter
-
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
@@ -125,8 +124,10 @@ def _apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.T
 # -- linear layers -------------------------------------------------------------------------
 
 
-@register_weight_loader_v2_supported_method  # so linear layers load our vLLM parameter classes
-class CpuInt4LinearMethod(LinearMethodBase):
+class _CpuInt4Weights:
+    """The checkpoint's parameters of a cpu_int4 layer, for linears and the vocabulary alike (for the table,
+    VocabParallelEmbedding's loader narrows the vocab rows and zero-fills the padding)."""
+
     def __init__(self, settings: CpuInt4Settings) -> None:
         self.settings = settings
 
@@ -144,6 +145,9 @@ class CpuInt4LinearMethod(LinearMethodBase):
         _check_shape(layer, n, k, g)
         _create_checkpoint_params(layer, n, k, g, extra_weight_attrs["weight_loader"])
 
+
+@register_weight_loader_v2_supported_method  # so linear layers load our vLLM parameter classes
+class CpuInt4LinearMethod(_CpuInt4Weights, LinearMethodBase):
     def process_weights_after_loading(self, layer: Module) -> None:
         _build_kernel_buffers(layer, self.settings)
 
@@ -154,26 +158,8 @@ class CpuInt4LinearMethod(LinearMethodBase):
 # -- the token embedding and the LM head -----------------------------------------------------
 
 
-class CpuInt4EmbeddingMethod(QuantizeMethodBase):
+class CpuInt4EmbeddingMethod(_CpuInt4Weights, QuantizeMethodBase):
     """Lookup (`embedding`) for the token table, GEMM (`apply`) for the LM head."""
-
-    def __init__(self, settings: CpuInt4Settings) -> None:
-        self.settings = settings
-
-    def create_weights(
-        self,
-        layer: Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        n, k, g = sum(output_partition_sizes), input_size_per_partition, self.settings.group_size
-        _check_shape(layer, n, k, g)
-        # VocabParallelEmbedding's loader narrows the vocab rows and zero-fills the padding
-        _create_checkpoint_params(layer, n, k, g, extra_weight_attrs["weight_loader"])
 
     def tie_weights(self, layer: Module, embed_tokens: Module) -> Module:
         """Make the LM head read the embedding's parameters (one quantized table for both)."""
