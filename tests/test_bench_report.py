@@ -14,26 +14,41 @@ MiB = 1 << 20
 
 def _arm(tag: str, tg: float, pp: float, streamed: float) -> ArmResult:
     r = ArmResult(tag, 12.5, 600 * MiB, 500 * MiB, pp, tg, 600 * MiB, "cold")
-    r.served = {"tg128_tps": streamed, "pp512_tps": pp,
-                "concurrency": [{"streams": n, "aggregate_tps": streamed * n * 0.9, "ttft_p50_s": 0.05 * n,
-                                 "ttft_p95_s": 0.08 * n} for n in (1, 4, 8)]}
+    r.served = {
+        "tg128_tps": streamed,
+        "pp512_tps": pp,
+        "concurrency": [
+            {"streams": n, "aggregate_tps": streamed * n * 0.9, "ttft_p50_s": 0.05 * n, "ttft_p95_s": 0.08 * n}
+            for n in (1, 4, 8)
+        ],
+    }
     return r
 
 
 def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) -> None:
     peer = _arm("llama.cpp", 40.0, 160.0, 38.0)
-    peer.llama_bench = {"Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0,
-                                   "tg128_stddev_tps": 1.0}}
+    peer.llama_bench = {
+        "Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0, "tg128_stddev_tps": 1.0}
+    }
     failed = ArmResult("w4a8", 0, 0, 0, 0, 0, 0, "failed", errors=["engine died"])
-    results = {"bf16": [_arm("bf16", 16.0, 128.0, 15.0)], "w4a16": [_arm("w4a16", 22.0, 250.0, 19.0)],
-               "w4a8": [failed], "llama.cpp": [peer]}
+    results = {
+        "bf16": [_arm("bf16", 16.0, 128.0, 15.0)],
+        "w4a16": [_arm("w4a16", 22.0, 250.0, 19.0)],
+        "w4a8": [failed],
+        "llama.cpp": [peer],
+    }
     summary = summarize(results, "bf16", peer="llama.cpp")
     summary["arms"]["bf16"].update(perplexity=10.0)  # fidelity as summarize() writes it for scored arms
     summary["arms"]["bf16"].update(perplexity_ratio=1.0, top1_agreement=1.0)
     summary.update(model="default", host="Intel(R) Xeon(R) Processor @ 2.00GHz, 2 usable cores, features: avx2")
-    summary["offline"] = {"w4a16": {"tg128_tps": 33.0, "pp512_tps": 280.0, "profile_top_ops": [
-        {"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}]},
-        "bf16": {"error": "ValueError: no KV cache"}}
+    summary["offline"] = {
+        "w4a16": {
+            "tg128_tps": 33.0,
+            "pp512_tps": 280.0,
+            "profile_top_ops": [{"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}],
+        },
+        "bf16": {"error": "ValueError: no KV cache"},
+    }
     path = tmp_path / "run.json"
     write_json(summary, path)
     text = render([path])

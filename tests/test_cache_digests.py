@@ -41,8 +41,12 @@ def _hash_dir(root: Path, artifact_bytes: bytes = b"compiled model") -> Path:
     hash_dir = root / "torch_compile_cache" / "torch_aot_compile" / HASH
     (hash_dir / "rank_0_0").mkdir(parents=True)
     (hash_dir / "rank_0_0" / "model").write_bytes(artifact_bytes)
-    for sub, name, body in (("ab", "cabc.main.so", b"\x7fELF kernel one"), ("cd", "ccd.so", b"\x7fELF kernel two"),
-                            ("cd", "ccd.cpp", b"// kernel source"), ("locks", "cabc.lock", b"")):
+    for sub, name, body in (
+        ("ab", "cabc.main.so", b"\x7fELF kernel one"),
+        ("cd", "ccd.so", b"\x7fELF kernel two"),
+        ("cd", "ccd.cpp", b"// kernel source"),
+        ("locks", "cabc.lock", b""),
+    ):
         (hash_dir / "inductor_cache" / sub).mkdir(parents=True, exist_ok=True)
         (hash_dir / "inductor_cache" / sub / name).write_bytes(body)
     return hash_dir
@@ -59,20 +63,27 @@ def test_seal_records_every_file_but_locks_digests_and_temporaries(tmp_path: Pat
     (hash_dir / "rank_0_0" / "model.123.tmp").write_bytes(b"half written")
     assert seal(hash_dir) == 4
     recorded = json.loads((hash_dir / DIGESTS_FILE).read_text())["files"]
-    assert sorted(recorded) == ["inductor_cache/ab/cabc.main.so", "inductor_cache/cd/ccd.cpp",
-                                "inductor_cache/cd/ccd.so", "rank_0_0/model"]
+    assert sorted(recorded) == [
+        "inductor_cache/ab/cabc.main.so",
+        "inductor_cache/cd/ccd.cpp",
+        "inductor_cache/cd/ccd.so",
+        "rank_0_0/model",
+    ]
     assert recorded["rank_0_0/model"]["size"] == len(b"compiled model")
     assert damaged_files(hash_dir) == []
     (hash_dir / "inductor_cache" / "locks" / "new.lock").write_bytes(b"")  # Inductor takes locks at will
     assert damaged_files(hash_dir) == []
 
 
-@pytest.mark.parametrize("damage, expected", [
-    (lambda d: (d / "rank_0_0" / "model").write_bytes(b"compiled"), "8 bytes, recorded 14"),
-    (lambda d: _flip(d / "rank_0_0" / "model"), "sha256 differs"),
-    (lambda d: _flip(d / "inductor_cache" / "ab" / "cabc.main.so"), "sha256 differs"),
-    (lambda d: (d / "inductor_cache" / "cd" / "ccd.so").unlink(), "missing"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda d: (d / "rank_0_0" / "model").write_bytes(b"compiled"), "8 bytes, recorded 14"),
+        (lambda d: _flip(d / "rank_0_0" / "model"), "sha256 differs"),
+        (lambda d: _flip(d / "inductor_cache" / "ab" / "cabc.main.so"), "sha256 differs"),
+        (lambda d: (d / "inductor_cache" / "cd" / "ccd.so").unlink(), "missing"),
+    ],
+)
 def test_a_cut_altered_or_missing_file_is_named(tmp_path: Path, damage: Any, expected: str) -> None:
     hash_dir = _hash_dir(tmp_path)
     seal(hash_dir)
@@ -128,14 +139,17 @@ def test_without_digests_or_artifact_nothing_is_touched(tmp_path: Path) -> None:
 def test_only_the_folders_this_run_used_are_sealed(tmp_path: Path) -> None:
     used = _hash_dir(tmp_path / "a")
     unused = _hash_dir(tmp_path / "b")
-    events = [{"event": MISS, "reason": "no_artifact", "path": str(used / "rank_0_0" / "model")},
-              {"event": MISS, "reason": "stamp_mismatch"},  # no path: the stamp check, not a load
-              {"event": HIT, "path": str(tmp_path / "gone" / HASH / "rank_0_0" / "model")}]
+    events = [
+        {"event": MISS, "reason": "no_artifact", "path": str(used / "rank_0_0" / "model")},
+        {"event": MISS, "reason": "stamp_mismatch"},  # no path: the stamp check, not a load
+        {"event": HIT, "path": str(tmp_path / "gone" / HASH / "rank_0_0" / "model")},
+    ]
     assert seal_used(events) == [used]
     assert (used / DIGESTS_FILE).exists() and not (unused / DIGESTS_FILE).exists()
 
 
 # --- a real artifact through vLLM's loader --------------------------------------------------------
+
 
 def _double_silu(x: Any) -> Any:
     import torch
@@ -160,7 +174,7 @@ def real_artifact(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 def _guard_broken(data: bytes) -> bytes:
     at = data.index(GUARD_JSON) + len(b'"allow_tf32":false,')
-    return data[:at] + b"#" + data[at + 1:]
+    return data[:at] + b"#" + data[at + 1 :]
 
 
 def test_one_flipped_byte_in_an_artifact_aborts_the_process_loading_it(real_artifact: bytes, tmp_path: Path) -> None:
@@ -175,7 +189,8 @@ def test_one_flipped_byte_in_an_artifact_aborts_the_process_loading_it(real_arti
     """)
     run = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
     assert run.returncode < 0 and "LOADED" not in run.stdout, (
-        f"torch now survives this artifact (rc {run.returncode}): the digests are a safeguard, no longer a fix")
+        f"torch now survives this artifact (rc {run.returncode}): the digests are a safeguard, no longer a fix"
+    )
     assert "parse_error" in run.stderr
 
 
@@ -185,12 +200,14 @@ def fake_compiled_model() -> SimpleNamespace:
     from vllm.config import VllmConfig
 
     config = VllmConfig()
-    return SimpleNamespace(vllm_config=config, compilation_config=config.compilation_config,
-                           _is_encoder=False, forward=_double_silu)
+    return SimpleNamespace(
+        vllm_config=config, compilation_config=config.compilation_config, _is_encoder=False, forward=_double_silu
+    )
 
 
 def test_an_altered_artifact_is_never_loaded_but_counted_as_a_miss(
-        real_artifact: bytes, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path) -> None:
+    real_artifact: bytes, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path
+) -> None:
     import torch
 
     fixes.apply_runtime_fixes()
@@ -210,7 +227,8 @@ def test_an_altered_artifact_is_never_loaded_but_counted_as_a_miss(
 
 
 def test_an_artifact_with_bytes_appended_loads_silently_unless_sealed(
-        real_artifact: bytes, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path) -> None:
+    real_artifact: bytes, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path
+) -> None:
     fixes.apply_runtime_fixes()
     from vllm.compilation import decorators
 
@@ -227,7 +245,8 @@ def test_an_artifact_with_bytes_appended_loads_silently_unless_sealed(
 
 
 def test_a_digest_check_that_cannot_read_does_not_stop_the_load(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def unreadable(artifact: Path) -> list:
         raise PermissionError(13, "Permission denied", str(artifact))
 

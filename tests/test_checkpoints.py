@@ -16,13 +16,14 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from conftest import flip_middle_byte
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import default_gguf
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
+from spark_edge.errors import CheckpointError
 from spark_edge.exit_codes import CHECKPOINT
+
+from conftest import flip_middle_byte
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -57,9 +58,11 @@ def test_values_are_the_dequantized_gguf_values(bf16_checkpoint: Path) -> None:
     reader = GGUFReader(default_gguf())
     tensors = _tensors(bf16_checkpoint)
     by_name = {t.name: t for t in reader.tensors}
-    for gguf_name, hf_name in [("token_embd.weight", "model.embed_tokens.weight"),
-                               ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
-                               ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight")]:
+    for gguf_name, hf_name in [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+    ]:
         t = by_name[gguf_name]
         expected = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         assert torch.equal(tensors[hf_name], expected.reshape(tensors[hf_name].shape).to(torch.bfloat16))

@@ -16,19 +16,32 @@ from pathlib import Path
 
 import pytest
 
-from conftest import flip_middle_byte
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
+
+from conftest import flip_middle_byte
 
 TOO_SMALL = str(512 << 20)  # refused by the plan (exit 5), which comes after the checkpoint check
 
 
 def _serve(home: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "spark_edge.cli", "serve", "--weight-path", "bf16", "--port", "1",
-           "--memory-limit", TOO_SMALL, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SPARK_EDGE_HOME": str(home)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "spark_edge.cli",
+        "serve",
+        "--weight-path",
+        "bf16",
+        "--port",
+        "1",
+        "--memory-limit",
+        TOO_SMALL,
+        *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "SPARK_EDGE_HOME": str(home)}
+    )
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
@@ -40,9 +53,12 @@ def _truncate(path: Path) -> None:
         f.truncate(path.stat().st_size // 2)
 
 
-@pytest.mark.parametrize("damage, says", [(_truncate, "the manifest says"), (flip_middle_byte, "does not match its sha256")])
+@pytest.mark.parametrize(
+    "damage, says", [(_truncate, "the manifest says"), (flip_middle_byte, "does not match its sha256")]
+)
 def test_a_damaged_user_checkpoint_is_refused_with_exit_3_and_left_as_it_is(
-        checkpoint_copy: Path, tmp_path: Path, damage, says: str) -> None:
+    checkpoint_copy: Path, tmp_path: Path, damage, says: str
+) -> None:
     damage(checkpoint_copy / "model.safetensors")
     before = _snapshot(checkpoint_copy)
     run = _serve(tmp_path / "home", "--model", str(checkpoint_copy))

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import single_process_tp_group
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.hf_source import HFSource
+from spark_edge.errors import CheckpointError
 from spark_edge.quant import int4_asym as q4
 from spark_edge.quant import tinygemm_layout as tl
 from spark_edge.quant.cpu_int4_config import CpuInt4Settings
 from spark_edge.weight_paths import NAMES, writers
 from spark_edge.weight_paths.w4a16 import REPORT_NAME, write_w4a16
+
+from conftest import single_process_tp_group
 
 BF16 = torch.bfloat16
 
@@ -216,8 +217,13 @@ def test_other_cpu_kernels_layouts_are_detected_and_decoded(capability: str, tmp
         pytest.skip("ATen's x86 kernels can only be forced on x86 (elsewhere the layout test above runs natively)")
     want = OTHER_KERNELS[capability]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "SPARK_EDGE_HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", OTHER_KERNEL_SCRIPT, str(want.block), str(int(want.halves))],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", OTHER_KERNEL_SCRIPT, str(want.block), str(int(want.halves))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr[-3000:]
 
 
@@ -260,8 +266,10 @@ def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: p
     ni.load_native_ops.cache_clear()
     try:
         assert not ni.load_native_ops()
-        assert ni.dequantize_kernel_weight_t(torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2, dtype=BF16),
-                                             32) is None
+        assert (
+            ni.dequantize_kernel_weight_t(torch.zeros(64, 16, dtype=torch.uint8), torch.zeros(1, 64, 2, dtype=BF16), 32)
+            is None
+        )
     finally:
         ni.load_native_ops.cache_clear()
 
@@ -345,8 +353,11 @@ def test_tinygemm_only_ever_sees_single_rows(monkeypatch: pytest.MonkeyPatch) ->
         real = getattr(cpu_int4_op, name)
         monkeypatch.setattr(cpu_int4_op, name, lambda *a, real=real: dequantized.append(1) or real(*a))
     tinygemm_rows: list[int] = []
-    monkeypatch.setattr(cpu_int4_op, "_tinygemm", lambda x, *a, real=cpu_int4_op._tinygemm:
-                        tinygemm_rows.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(
+        cpu_int4_op,
+        "_tinygemm",
+        lambda x, *a, real=cpu_int4_op._tinygemm: tinygemm_rows.append(x.shape[0]) or real(x, *a),
+    )
     limit = cpu_int4_op.ROW_LOOP_MAX_ROWS
     for rows, dequants in ((1, 0), (2, 0), (limit, 0), (limit + 1, 1), (64, 2)):
         cpu_int4_op.cpu_int4_linear(torch.randn(rows, 64).to(BF16), buf, sz, 32, None, None, None)
@@ -388,12 +399,23 @@ def test_op_under_torch_compile_keeps_the_row_branch_opaque(ops: object) -> None
 def test_settings_round_trip_and_validation() -> None:
     s = CpuInt4Settings(group_size=64, quantize_embedding=False, direct_dequant=False)
     hf = s.to_hf()
-    assert hf == {"quant_method": "cpu_int4", "bits": 4, "group_size": 64,
-                  "quantize_embedding": False, "direct_dequant": False}
+    assert hf == {
+        "quant_method": "cpu_int4",
+        "bits": 4,
+        "group_size": 64,
+        "quantize_embedding": False,
+        "direct_dequant": False,
+    }
     assert CpuInt4Settings.from_hf(json.loads(json.dumps(hf))) == s
     assert CpuInt4Settings.from_hf({"quant_method": "cpu_int4"}) == CpuInt4Settings()
-    for bad in ({"bits": 8}, {"group_size": 48}, {"group_size": True}, {"direct_dequant": "yes"},
-                {"prefill_dequant": True}, {"quant_method": "gptq"}):
+    for bad in (
+        {"bits": 8},
+        {"group_size": 48},
+        {"group_size": True},
+        {"direct_dequant": "yes"},
+        {"prefill_dequant": True},
+        {"quant_method": "gptq"},
+    ):
         with pytest.raises(ValueError):
             CpuInt4Settings.from_hf({"quant_method": "cpu_int4", **bad})
 
@@ -408,8 +430,9 @@ def test_registered_with_vllm() -> None:
     register()  # idempotent
     assert "cpu_int4" in QUANTIZATION_METHODS
     assert get_quantization_config("cpu_int4") is CpuInt4Config
-    config = CpuInt4Config.from_config({"quant_method": "cpu_int4", "bits": 4, "group_size": 64,
-                                        "quantize_embedding": True, "direct_dequant": False})
+    config = CpuInt4Config.from_config(
+        {"quant_method": "cpu_int4", "bits": 4, "group_size": 64, "quantize_embedding": True, "direct_dequant": False}
+    )
     assert config.get_name() == "cpu_int4"
     assert config.get_supported_act_dtypes() == [BF16]
     assert config.settings.group_size == 64 and "direct_dequant=False" in repr(config)
@@ -423,7 +446,6 @@ def test_plugin_entry_point_is_installed() -> None:
 
 
 # -- the method on real vLLM layers --------------------------------------------------------
-
 
 
 @pytest.fixture(scope="module")
@@ -560,10 +582,18 @@ def _tiny_llama(folder: Path, tied: bool = True) -> dict[str, torch.Tensor]:
     """A small random Llama-shaped HF checkpoint (hidden 64, 2 layers, GQA 4/2 heads)."""
     hidden, inter, vocab = 64, 128, 256
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
     }
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
@@ -571,10 +601,14 @@ def _tiny_llama(folder: Path, tied: bool = True) -> dict[str, torch.Tensor]:
     for i in range(2):
         p = f"model.layers.{i}."
         t |= {
-            p + "input_layernorm.weight": torch.rand(hidden), p + "post_attention_layernorm.weight": torch.rand(hidden),
-            p + "self_attn.q_proj.weight": torch.randn(64, hidden), p + "self_attn.k_proj.weight": torch.randn(32, hidden),
-            p + "self_attn.v_proj.weight": torch.randn(32, hidden), p + "self_attn.o_proj.weight": torch.randn(hidden, 64),
-            p + "mlp.gate_proj.weight": torch.randn(inter, hidden), p + "mlp.up_proj.weight": torch.randn(inter, hidden),
+            p + "input_layernorm.weight": torch.rand(hidden),
+            p + "post_attention_layernorm.weight": torch.rand(hidden),
+            p + "self_attn.q_proj.weight": torch.randn(64, hidden),
+            p + "self_attn.k_proj.weight": torch.randn(32, hidden),
+            p + "self_attn.v_proj.weight": torch.randn(32, hidden),
+            p + "self_attn.o_proj.weight": torch.randn(hidden, 64),
+            p + "mlp.gate_proj.weight": torch.randn(inter, hidden),
+            p + "mlp.up_proj.weight": torch.randn(inter, hidden),
             p + "mlp.down_proj.weight": torch.randn(hidden, inter),
         }
     if not tied:
@@ -597,8 +631,15 @@ def test_w4a16_writer_on_a_tiny_llama(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     extra = write_w4a16(HFSource(tmp_path / "src"), out, {})
-    assert extra == {"quantization_config": {"quant_method": "cpu_int4", "bits": 4, "group_size": 32,
-                                             "quantize_embedding": True, "direct_dequant": True}}
+    assert extra == {
+        "quantization_config": {
+            "quant_method": "cpu_int4",
+            "bits": 4,
+            "group_size": 32,
+            "quantize_embedding": True,
+            "direct_dequant": True,
+        }
+    }
     written = _read(out)
     quantized = [n for n in source_tensors if n.endswith("proj.weight") or n == "model.embed_tokens.weight"]
     assert len(quantized) == 2 * 7 + 1
@@ -606,8 +647,13 @@ def test_w4a16_writer_on_a_tiny_llama(tmp_path: Path) -> None:
         if name in quantized:
             base = name[: -len(".weight")]
             assert name not in written
-            q = q4.Int4Weight(written[base + ".weight_packed"], written[base + ".weight_scale"],
-                              written[base + ".weight_zero"], 32, 0.0)
+            q = q4.Int4Weight(
+                written[base + ".weight_packed"],
+                written[base + ".weight_scale"],
+                written[base + ".weight_zero"],
+                32,
+                0.0,
+            )
             assert q.packed.dtype == torch.uint8 and q.packed.shape == (w.shape[0], w.shape[1] // 2)
             assert q.scale.dtype == BF16 and q.scale.shape == (w.shape[0], w.shape[1] // 32)
             assert q4.snr_db(w, q4.dequantize_weight(q)) > 19
@@ -625,8 +671,11 @@ def test_w4a16_writer_options(tmp_path: Path) -> None:
     source_tensors = _tiny_llama(tmp_path / "src", tied=False)
     out = tmp_path / "out"
     out.mkdir()
-    extra = write_w4a16(HFSource(tmp_path / "src"), out,
-                        {"group_size": 64, "search": False, "keep_embedding": True, "direct_dequant": False})
+    extra = write_w4a16(
+        HFSource(tmp_path / "src"),
+        out,
+        {"group_size": 64, "search": False, "keep_embedding": True, "direct_dequant": False},
+    )
     assert extra["quantization_config"]["quantize_embedding"] is False
     assert extra["quantization_config"]["direct_dequant"] is False
     written = _read(out)

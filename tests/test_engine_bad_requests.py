@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import Server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
-GOOD = {"model": DEFAULT_MODEL_ID, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
-        "ignore_eos": True}
+GOOD = {
+    "model": DEFAULT_MODEL_ID,
+    "prompt": "The capital of France is",
+    "max_tokens": 4,
+    "temperature": 0,
+    "ignore_eos": True,
+}
 
 CASES = {
     "malformed-json": b'{"model": "x", "prompt": ',

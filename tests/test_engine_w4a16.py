@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Server
 from spark_edge.bench.fidelity import score, text_chunks, top1_agreement
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
@@ -31,15 +32,18 @@ def test_w4a16_batched_requests_take_the_multi_row_path(w4a16_server: Server) ->
     w4a16_server.assert_knows_paris(DEFAULT_MODEL_ID, prompts=2)
 
 
-def test_w4a16_perplexity_and_top1_against_bf16(bf16_server: Server, w4a16_server: Server,
-                                                bf16_checkpoint: Path) -> None:
+def test_w4a16_perplexity_and_top1_against_bf16(
+    bf16_server: Server, w4a16_server: Server, bf16_checkpoint: Path
+) -> None:
     windows = text_chunks(bf16_checkpoint)
     ref = score(bf16_server.url, DEFAULT_MODEL_ID, windows, bf16_server.headers)
     quant = score(w4a16_server.url, DEFAULT_MODEL_ID, windows, w4a16_server.headers)
     ratio = quant.perplexity / ref.perplexity
     agreement = top1_agreement(ref, quant)
-    print(f"perplexity bf16 {ref.perplexity:.3f}, w4a16 {quant.perplexity:.3f} (x{ratio:.3f}); "
-          f"top-1 agreement {agreement:.3f} over {len(ref.top1)} positions")
+    print(
+        f"perplexity bf16 {ref.perplexity:.3f}, w4a16 {quant.perplexity:.3f} (x{ratio:.3f}); "
+        f"top-1 agreement {agreement:.3f} over {len(ref.top1)} positions"
+    )
     assert ratio <= MAX_PERPLEXITY_RATIO
 
 
@@ -55,8 +59,14 @@ def test_plan_predicts_the_measured_w4a16_load_peak(w4a16_server: Server) -> Non
     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     config_path = next(p for p in Path(w4a16_server.home).glob("checkpoints/*-w4a16/config.json"))
     config = json.loads(config_path.read_text())
-    plan = make_plan(ModelShape.from_config(config), "w4a16", int(m["spark_edge_memory_limit_bytes"]), 2048, 4,
-                     config["quantization_config"]["group_size"])
+    plan = make_plan(
+        ModelShape.from_config(config),
+        "w4a16",
+        int(m["spark_edge_memory_limit_bytes"]),
+        2048,
+        4,
+        config["quantization_config"]["group_size"],
+    )
     measured = m["spark_edge_load_rss_anon_peak_bytes"]
     print(f"w4a16 plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert abs(plan.load_peak_bytes - measured) / measured <= 0.15

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Server
 from spark_edge.bench.fidelity import score, text_chunks, top1_agreement
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
@@ -29,12 +30,13 @@ def test_w4a8_loads_as_gptq(w4a8_server: Server) -> None:
     assert "weight path: w4a8" in log
 
 
-def test_w4a8_perplexity_and_top1_against_bf16(bf16_server: Server, w4a8_server: Server,
-                                               bf16_checkpoint: Path) -> None:
+def test_w4a8_perplexity_and_top1_against_bf16(bf16_server: Server, w4a8_server: Server, bf16_checkpoint: Path) -> None:
     windows = text_chunks(bf16_checkpoint)
     ref = score(bf16_server.url, DEFAULT_MODEL_ID, windows, bf16_server.headers)
     quant = score(w4a8_server.url, DEFAULT_MODEL_ID, windows, w4a8_server.headers)
     ratio = quant.perplexity / ref.perplexity
-    print(f"perplexity bf16 {ref.perplexity:.3f}, w4a8 {quant.perplexity:.3f} (x{ratio:.3f}); "
-          f"top-1 agreement {top1_agreement(ref, quant):.3f} over {len(ref.top1)} positions")
+    print(
+        f"perplexity bf16 {ref.perplexity:.3f}, w4a8 {quant.perplexity:.3f} (x{ratio:.3f}); "
+        f"top-1 agreement {top1_agreement(ref, quant):.3f} over {len(ref.top1)} positions"
+    )
     assert ratio <= MAX_PERPLEXITY_RATIO

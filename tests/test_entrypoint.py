@@ -23,17 +23,36 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "spark-edge").write_text('#!/bin/sh\necho "spark-edge $*"\n')
     (bin_dir / "spark-edge").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPARK_EDGE_HOME": str(tmp_path / "home"),
-           "SPARK_EDGE_BAKED_CACHE": str(tmp_path / "baked")}
-    return subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SPARK_EDGE_HOME": str(tmp_path / "home"),
+        "SPARK_EDGE_BAKED_CACHE": str(tmp_path / "baked"),
+    }
+    return subprocess.run(
+        ["sh", str(REPO / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_kept_folder_stamped_for_another_image_is_replaced_and_a_matching_one_kept(tmp_path: Path) -> None:
-    _tree(tmp_path / "baked" / "vllm-cache", {f"w4a16/{STAMP}": "new", "w4a16/compiled.so": "new kernels",
-                                              f"bf16/{STAMP}": "same", "bf16/compiled.so": "baked"})
-    _tree(tmp_path / "home" / "vllm-cache", {f"w4a16/{STAMP}": "old", "w4a16/stale.so": "old kernels",
-                                             f"bf16/{STAMP}": "same", "bf16/compiled.so": "compiled here"})
+    _tree(
+        tmp_path / "baked" / "vllm-cache",
+        {
+            f"w4a16/{STAMP}": "new",
+            "w4a16/compiled.so": "new kernels",
+            f"bf16/{STAMP}": "same",
+            "bf16/compiled.so": "baked",
+        },
+    )
+    _tree(
+        tmp_path / "home" / "vllm-cache",
+        {
+            f"w4a16/{STAMP}": "old",
+            "w4a16/stale.so": "old kernels",
+            f"bf16/{STAMP}": "same",
+            "bf16/compiled.so": "compiled here",
+        },
+    )
     result = _run(tmp_path, "serve", "--", "--served-model-name", "x")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "spark-edge serve -- --served-model-name x"  # argv untouched

@@ -8,8 +8,11 @@ from click.testing import CliRunner
 from spark_edge import errors, exit_codes
 from spark_edge.cli import main
 
-KINDS = [cls for cls in vars(errors).values()
-         if isinstance(cls, type) and issubclass(cls, errors.SparkEdgeError) and cls is not errors.SparkEdgeError]
+KINDS = [
+    cls
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.SparkEdgeError) and cls is not errors.SparkEdgeError
+]
 
 
 def test_every_kind_has_a_documented_code_of_its_own_meaning() -> None:

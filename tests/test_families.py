@@ -3,12 +3,14 @@ Hugging Face transformers' float64 implementation of the same architecture on th
 
 Each family is a tiny random checkpoint with its real structure (`spark-edge synth --like NAME --tiny`: the
 published config's architecture fields and attention geometry, hidden 256, 4 layers, a 512-token byte-level
-vocabulary; Gemma 3 keeps its five sliding layers and one full one, with a 64-token window the prompt crosses). It is built
+vocabulary; Gemma 3 keeps its five sliding layers and one full one, with a 64-token window the prompt crosses). It
+is built
 for each weight path, served by vLLM's offline engine (one start per family and path), and its prompt
 log-probs over a 256-token prompt and 16 greedy tokens with theirs are compared with the reference: on the
 bf16 weights for bf16, on the checkpoint's own decoded 4-bit weights for the 4-bit paths (what is left is the
 engine's bf16 and int8 arithmetic). The bound adds what bf16 rounding costs the reference itself on the same
-weights (transformers run in bfloat16): 0.01-0.02 nat on these tiny models. A reference on the unquantized weights must be further away:
+weights (transformers run in bfloat16): 0.01-0.02 nat on these tiny models. A reference on the unquantized weights
+must be further away:
 the comparison sees the 4-bit grid.
 
 Engines: run under `flock /tmp/spark_edge_engine.lock` like every engine test.
@@ -23,17 +25,26 @@ from typing import Any
 import pytest
 import torch
 
-from hf_reference import logprob_matrix, reference_log_probs
 from spark_edge.checkpoints.architecture import structure
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models import synth
 from spark_edge.planning.memory_plan import kv_bytes_for
 from spark_edge.planning.model_shape import ModelShape
 
+from hf_reference import logprob_matrix, reference_log_probs
+
 FAMILIES = ("llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
 AMX = torch.cpu._is_amx_tile_supported()
-PATHS = ("bf16", "w4a16", pytest.param("w4a8", marks=pytest.mark.skipif(
-    not AMX, reason="no usable AMX tiles: vLLM would run w4a8's GPTQ checkpoint through its W4A16 fallback")))
+PATHS = (
+    "bf16",
+    "w4a16",
+    pytest.param(
+        "w4a8",
+        marks=pytest.mark.skipif(
+            not AMX, reason="no usable AMX tiles: vLLM would run w4a8's GPTQ checkpoint through its W4A16 fallback"
+        ),
+    ),
+)
 GROUP = 32  # w4a16's default; w4a8 chooses its own
 PROMPT_LEN = 256
 NEW_TOKENS = 16
@@ -56,8 +67,9 @@ def _build(source: Path, path: str, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_w4a16_quantizes_every_decoder_linear_of_the_family(family: str, sources: dict[str, Path],
-                                                             tmp_path: Path) -> None:
+def test_w4a16_quantizes_every_decoder_linear_of_the_family(
+    family: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
     """What the writer quantized is the architecture's Linear modules, the table and an untied head: nothing
     else (biases, q/k norms, Gemma's four norms a layer stay bf16)."""
     out = _build(sources[family], "w4a16", tmp_path / "w4a16")
@@ -72,8 +84,9 @@ def test_w4a16_quantizes_every_decoder_linear_of_the_family(family: str, sources
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_w4a8_writes_each_family_in_the_layout_vllm_gptq_loads(family: str, sources: dict[str, Path],
-                                                               tmp_path: Path) -> None:
+def test_w4a8_writes_each_family_in_the_layout_vllm_gptq_loads(
+    family: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
     """Tensors carry the names vLLM's model for the family loads: per-projection names where it loads q/k/v and
     gate/up apart (GPTQ packs K on dim 0, so fused tensors are split for them), Phi-3's fused qkv_proj and
     gate_up_proj as they are (vLLM's Phi-3 loads only those); the head is a 4-bit tensor of its own beside the
@@ -84,9 +97,19 @@ def test_w4a8_writes_each_family_in_the_layout_vllm_gptq_loads(family: str, sour
     with safe_open(out / "model.safetensors", framework="pt") as f:
         names = set(f.keys())
     fused = family == "phi-3-mini"
-    projections = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj") if fused else (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")
+    projections = (
+        ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        if fused
+        else (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    )
     layers = json.loads((sources[family] / "config.json").read_text())["num_hidden_layers"]
     expected = {f"model.layers.{i}.{p}.qweight" for i in range(layers) for p in projections}
     assert {n for n in names if n.endswith(".qweight")} == expected | {"lm_head.qweight"}
@@ -98,6 +121,7 @@ def test_the_plan_windows_the_layers_vllm_windows() -> None:
     """vLLM windows every layer of a config with a window and no layer types (Phi-3), the layers named so
     (Gemma 3), and none when use_sliding_window is off (Qwen2): the KV plan must count blocks alike, or vLLM
     refuses the planned KV at start."""
+
     def shape(name: str) -> ModelShape:
         return ModelShape.from_config(synth.hf_config(name, synth.PRESETS[name], 0, 1, 2))
 
@@ -118,19 +142,32 @@ def _engine_run(checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPa
     config = json.loads((checkpoint / "config.json").read_text())
     vocab = int(config["vocab_size"])
     kv = kv_bytes_for(ModelShape.from_config(config), MAX_MODEL_LEN, 1, BATCHED_TOKENS)
-    llm = LLM(model=str(checkpoint), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-              max_num_batched_tokens=BATCHED_TOKENS, kv_cache_memory_bytes=kv, max_logprobs=-1,
-              enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=2,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        kv_cache_memory_bytes=kv,
+        max_logprobs=-1,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     try:
         prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, detokenize=False, ignore_eos=True,
-                                prompt_logprobs=-1, logprobs=-1)
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0, detokenize=False, ignore_eos=True, prompt_logprobs=-1, logprobs=-1
+        )
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     gen = out.outputs[0]
-    return {"prompt": prompt, "tokens": list(gen.token_ids),
-            "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], vocab), "gen_lp": logprob_matrix(gen.logprobs, vocab)}
+    return {
+        "prompt": prompt,
+        "tokens": list(gen.token_ids),
+        "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], vocab),
+        "gen_lp": logprob_matrix(gen.logprobs, vocab),
+    }
 
 
 def _deviation(run: dict[str, Any], reference: torch.Tensor) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -144,8 +181,9 @@ def _deviation(run: dict[str, Any], reference: torch.Tensor) -> tuple[tuple[floa
 @pytest.mark.engine
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_on_the_weight_path_matches_transformers(family: str, path: str, sources: dict[str, Path],
-                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_family_on_the_weight_path_matches_transformers(
+    family: str, path: str, sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint = _build(sources[family], path, tmp_path / path)
     run = _engine_run(checkpoint, tmp_path / "vllm-cache", monkeypatch)
     assert len(run["tokens"]) == NEW_TOKENS
@@ -155,9 +193,11 @@ def test_family_on_the_weight_path_matches_transformers(family: str, path: str, 
     n = len(run["prompt"])
     rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
     bound = MEAN_NAT[path] + rounding
-    line = f"\n{family} {path}: mean/max |delta log-prob| prefill {prefill[0]:.4f}/{prefill[1]:.3f}, " \
-           f"decode {decode[0]:.4f}/{decode[1]:.3f} nat (bound {bound:.3f}: bf16 rounding costs the reference " \
-           f"{rounding:.4f})"
+    line = (
+        f"\n{family} {path}: mean/max |delta log-prob| prefill {prefill[0]:.4f}/{prefill[1]:.3f}, "
+        f"decode {decode[0]:.4f}/{decode[1]:.3f} nat (bound {bound:.3f}: bf16 rounding costs the reference "
+        f"{rounding:.4f})"
+    )
     if path == "bf16":
         print(line)
         assert prefill[1] < BF16_MAX_NAT and decode[1] < BF16_MAX_NAT

@@ -23,19 +23,36 @@ import pytest
 import torch
 
 from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.hf_source import TOKENIZER_FILES, HFSource
 from spark_edge.checkpoints.safetensors_stream import write_safetensors
+from spark_edge.errors import CheckpointError
 from spark_edge.models import synth
 
 FAMILIES = ("smollm2-1.7b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
 DEFAULT_VOCAB = 49152
-CONFIG_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
-               "rope_theta", "rms_norm_eps", "max_position_embeddings", "sliding_window", "layer_types",
-               "hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping",
-               "original_max_position_embeddings")
+CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "sliding_window",
+    "layer_types",
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "rope_local_base_freq",
+    "final_logit_softcapping",
+    "original_max_position_embeddings",
+)
 # llama.cpp writes Gemma's (1 + w) norms as 1 + w in bf16: one rounding of values near 1, a bf16 step there
 NORM_SHIFT_TOLERANCE = 2.0**-7
 
@@ -74,15 +91,20 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def _convert(converter: Path, hf: Path, out: Path) -> Path:
-    done = subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(hf), "--outtype", "bf16",
-                           "--outfile", str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(converter), str(hf), "--outtype", "bf16", "--outfile", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_llama_cpp_gguf_reads_back_as_its_hf_checkpoint(family: str, converter: Path, bf16_checkpoint: Path,
-                                                        tmp_path: Path) -> None:
+def test_llama_cpp_gguf_reads_back_as_its_hf_checkpoint(
+    family: str, converter: Path, bf16_checkpoint: Path, tmp_path: Path
+) -> None:
     hf = _tiny_with_default_tokenizer(family, tmp_path / "hf", bf16_checkpoint)
     gguf = GGUFSource(_convert(converter, hf, tmp_path / "model.gguf"))
     source = HFSource(hf)
@@ -103,8 +125,9 @@ def test_llama_cpp_gguf_reads_back_as_its_hf_checkpoint(family: str, converter: 
     build_checkpoint(gguf.path, "w4a16", tmp_path / "w4a16")
 
 
-def test_a_gguf_with_rope_frequency_factors_is_refused_by_name(converter: Path, bf16_checkpoint: Path,
-                                                              tmp_path: Path) -> None:
+def test_a_gguf_with_rope_frequency_factors_is_refused_by_name(
+    converter: Path, bf16_checkpoint: Path, tmp_path: Path
+) -> None:
     """Llama 3.2's RoPE scaling becomes a rope_freqs tensor in GGUF, which the reader does not map yet."""
     hf = _tiny_with_default_tokenizer("llama-3.2-1b", tmp_path / "hf", bf16_checkpoint)
     with pytest.raises(CheckpointError, match="rope_freqs.weight"):

@@ -3,8 +3,8 @@ float64, every buffer layout the host can run, the per-host kernel choice, torch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -41,9 +41,10 @@ def _pack(codes: torch.Tensor, layout: tl.KernelLayout) -> torch.Tensor:
     full = n // layout.block * layout.block
     parts = []
     for start, size, halves in [(b, layout.block, layout.halves) for b in range(0, full, layout.block)] + (
-            [(full, n - full, False)] if n > full else []):
-        c = codes[start:start + size].t()  # [K, size]: K outer, channels inner
-        lo, hi = (c[:, : size // 2], c[:, size // 2:]) if halves else (c[:, 0::2], c[:, 1::2])
+        [(full, n - full, False)] if n > full else []
+    ):
+        c = codes[start : start + size].t()  # [K, size]: K outer, channels inner
+        lo, hi = (c[:, : size // 2], c[:, size // 2 :]) if halves else (c[:, 0::2], c[:, 1::2])
         parts.append((lo | (hi << 4)).reshape(-1))
     return torch.cat(parts).view(n, k // 2)
 
@@ -122,8 +123,9 @@ def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
 def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
     policy = cpu_int4_op.host_policy()
     amx = cpu_int4_op.host_has_bf16_gemm() and cpu_int4_op.amx_tiles_available()
-    tiles = cpu_int4_op.host_has_bf16_gemm() and not cpu_int4_op.host_has_amx_bf16() and \
-        cpu_int4_op.bf16_tiles_available()
+    tiles = (
+        cpu_int4_op.host_has_bf16_gemm() and not cpu_int4_op.host_has_amx_bf16() and cpu_int4_op.bf16_tiles_available()
+    )
     if ni.native_gemm_vectorized():
         assert policy.q8_max_rows == min(cpu_int4_op.q8_max_rows(), cpu_int4_op.AMX_MIN_ROWS - 1 if amx else 16)
         assert policy.tiles == cpu_int4_op.TILES["amx" if amx else "tiles" if tiles else "none"]
@@ -136,14 +138,20 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
             monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
         elif tiles:  # AVX512-BF16 without AMX (Zen 4, Cooper Lake): the tiles from 8 rows on
             assert policy.native_max_rows == cpu_int4_op.TILES_MIN_ROWS - 1
-            assert [cpu_int4_op.kernel_for(m, 80, 256) for m in (4, 7, 8, 512)] == ["native", "native", "tiles", "tiles"]
+            assert [cpu_int4_op.kernel_for(m, 80, 256) for m in (4, 7, 8, 512)] == [
+                "native",
+                "native",
+                "tiles",
+                "tiles",
+            ]
             assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (policy.q8_max_rows, 512)] == ["q8", "tiles"]
             monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
             assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"
             monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
         else:
             assert policy.native_max_rows == (
-                cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1)
+                cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1
+            )
         assert cpu_int4_op.kernel_for(1, 64, 64) == cpu_int4_op.kernel_for(policy.q8_max_rows, 128, 256) == "q8"
         assert cpu_int4_op.kernel_for(1, 80, 64) == "native"  # a 16-channel tail: no int8 kernel for it
         monkeypatch.setenv(cpu_int4_op.Q8_SWITCH, "0")
@@ -162,8 +170,11 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
     assert [cpu_int4_op.kernel_for(m) for m in (1, 8, 9)] == ["tinygemm", "tinygemm", "dequant"]
 
 
-@pytest.mark.parametrize("policy", [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0), (0, 4, 8, 1), (0, 4, 8, 2)],
-                         ids=["native", "bf16-host", "tinygemm", "dequant", "tiles", "amx"])
+@pytest.mark.parametrize(
+    "policy",
+    [(0, -1, 0), (0, 16, 8), (0, 0, 8), (0, 0, 0), (0, 4, 8, 1), (0, 4, 8, 2)],
+    ids=["native", "bf16-host", "tinygemm", "dequant", "tiles", "amx"],
+)
 def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple) -> None:
     if len(policy) > 3:
         _tiles_or_skip(ops, "amx" if policy[3] == cpu_int4_op.TILES["amx"] else "tiles")
@@ -187,8 +198,11 @@ def test_int4_linear_agrees_whichever_kernel_serves(ops: object, policy: tuple) 
 # The tile GEMMs (bf16_tiles.h): (whether this build and process have it, the kernel, why it may be missing)
 TILE_GEMMS = {
     "tiles": ("int4_bf16_tiles_supported", "int4_gemm_bf16", "it needs AVX512-BF16 and ATen's AVX-512 layout"),
-    "amx": ("int4_amx_tiles_supported", "int4_gemm_amx",
-            "it needs AMX-BF16, ATen's AVX-512 layout and the kernel's permission to use AMX tiles"),
+    "amx": (
+        "int4_amx_tiles_supported",
+        "int4_gemm_amx",
+        "it needs AMX-BF16, ATen's AVX-512 layout and the kernel's permission to use AMX tiles",
+    ),
 }
 
 
@@ -276,8 +290,9 @@ Q8_LAYOUTS = tl.CANDIDATES[:2]
 @pytest.mark.parametrize("form", sorted(ni.Q8_FORMS))
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n,k", Q8_SHAPES)
-def test_gemm_q8_matches_its_float64_reference(ops: object, n: int, k: int, g: int, form: str,
-                                               layout: tl.KernelLayout) -> None:
+def test_gemm_q8_matches_its_float64_reference(
+    ops: object, n: int, k: int, g: int, form: str, layout: tl.KernelLayout
+) -> None:
     """Integer dots of the int8 activations and 4-bit codes are exact; what is left is fp32 scaling (2^-12 of
     sum |x w|) and the bf16 result (2^-8 relative). Against the exact product, the int8 activations cost
     about 1% of the result's norm. Each layout's kernel and each form of the inner product in turn (quads:
@@ -369,8 +384,11 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
         "uint8": (x, buf.to(torch.int32), sz, g),
     }
     layout = tl.detect_layout()
-    tiles = tuple(getattr(ops, gemm) for supported, gemm, _ in TILE_GEMMS.values()
-                  if getattr(ops, supported)(layout.block, layout.halves))
+    tiles = tuple(
+        getattr(ops, gemm)
+        for supported, gemm, _ in TILE_GEMMS.values()
+        if getattr(ops, supported)(layout.block, layout.halves)
+    )
     for message, args in cases.items():
         for op in (ops.int4_linear, ops.int4_gemm, ops.int4_gemm_q8, *tiles):
             with pytest.raises(RuntimeError, match=message):

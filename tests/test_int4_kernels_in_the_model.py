@@ -15,17 +15,18 @@ kernels with vLLM's attention (AMX tiles on AMX hosts) and oneDNN: each must fin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from engine_lock import engine_lock
 from spark_edge.bench.fidelity import text_chunks
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.quant import cpu_int4_op
 from spark_edge.quant.tinygemm_layout import detect_layout
+
+from engine_lock import engine_lock
 
 pytestmark = pytest.mark.engine
 
@@ -57,14 +58,25 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     root = tmp_path_factory.mktemp("int4-model")
     checkpoint = build_checkpoint(None, "w4a16", root / "w4a16", {"group_size": 32}).out
     with pytest.MonkeyPatch.context() as mp, engine_lock():
-        for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-                           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}.items():
+        for key, value in {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }.items():
             mp.setenv(key, value)
         mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
         from vllm import LLM
 
-        llm = LLM(model=str(checkpoint), dtype="bfloat16", max_model_len=1024, max_num_seqs=4,
-                  kv_cache_memory_bytes=64 * 2**20, enable_prefix_caching=False, seed=0)
+        llm = LLM(
+            model=str(checkpoint),
+            dtype="bfloat16",
+            max_model_len=1024,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=64 * 2**20,
+            enable_prefix_caching=False,
+            seed=0,
+        )
         try:
             yield llm
         finally:
@@ -88,8 +100,10 @@ def _greedy(llm: object) -> list[tuple[list[int], list[dict[int, float]]]]:
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
     outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in outs]
+    return [
+        (list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+        for o in outs
+    ]
 
 
 def _teacher_forced(llm: object, windows: list[list[int]]) -> torch.Tensor:
@@ -102,20 +116,24 @@ def _teacher_forced(llm: object, windows: list[list[int]]) -> torch.Tensor:
 
 
 def test_teacher_forced_log_probs_within_the_rounding_of_a_summation_order(
-        engine: object, policies: dict[str, cpu_int4_op.KernelPolicy], tmp_path: Path) -> None:
+    engine: object, policies: dict[str, cpu_int4_op.KernelPolicy], tmp_path: Path
+) -> None:
     windows = text_chunks(build_checkpoint(None, "bf16", tmp_path / "bf16").out)[:WINDOWS]
     lp = {}
     for name, policy in policies.items():
         _configure(policy)
         lp[name] = _teacher_forced(engine, windows)
     delta = (lp["host"] - lp["previous"]).abs()
-    print(f"\n{cpu_int4_op.kernel_for(len(windows[0]), 960, 576)} tiles against dequant + oneDNN over {len(delta)} "
-          f"positions: mean |dlogprob| {delta.mean():.4f}, max {delta.max():.3f} nat")
+    print(
+        f"\n{cpu_int4_op.kernel_for(len(windows[0]), 960, 576)} tiles against dequant + oneDNN over {len(delta)} "
+        f"positions: mean |dlogprob| {delta.mean():.4f}, max {delta.max():.3f} nat"
+    )
     assert delta.mean() <= MEAN_NAT and delta.max() <= MAX_NAT
 
 
 def test_greedy_tokens_equal_the_previous_prefill_kernels(
-        engine: object, policies: dict[str, cpu_int4_op.KernelPolicy]) -> None:
+    engine: object, policies: dict[str, cpu_int4_op.KernelPolicy]
+) -> None:
     runs = []
     for name in ("host", "previous", "host"):  # every switch crosses prefill and decode steps
         _configure(policies[name])

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Server
-from spark_edge.bench.load import MiB, LoadReport, format_load_table, rss_slope
+from spark_edge.bench.load import LoadReport, MiB, format_load_table, rss_slope
 from spark_edge.bench.streams import percentile
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
@@ -28,9 +29,23 @@ SERVER_ERROR = re.compile(rb'HTTP/1\.[01]" 5\d\d ')
 def test_bounded_load_has_no_errors_and_stays_under_the_plan(bf16_server: Server, tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     errors_before = len(SERVER_ERROR.findall(bf16_server.log_path.read_bytes()))
-    cmd = [sys.executable, "-m", "spark_edge.cli", "bench", "--load", "--url", bf16_server.url,
-           "--clients", str(CLIENTS), "--duration", str(DURATION_S), "--max-tokens", str(MAX_TOKENS),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spark_edge.cli",
+        "bench",
+        "--load",
+        "--url",
+        bf16_server.url,
+        "--clients",
+        str(CLIENTS),
+        "--duration",
+        str(DURATION_S),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "SPARK_EDGE_API_KEY": bf16_server.api_key or ""}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=DURATION_S + 300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -50,11 +65,26 @@ def test_bounded_load_has_no_errors_and_stays_under_the_plan(bf16_server: Server
 
 
 def test_load_table_flags_errors_and_rss_over_the_plan() -> None:
-    report = LoadReport(url="http://x", clients=2, duration_s=5, wall_s=5.5, max_tokens=8, prompt_words=4,
-                        requests=3, errors=["HTTP 500: boom"], tokens=16, ttft_p50_s=0.1, ttft_p95_s=0.2,
-                        throughput_tps=2.9, stream_tps_p50=20.0, rss_anon_max_bytes=2100 << 20,
-                        rss_anon_peak_bytes=2200 << 20, plan_steady_bytes=2000 << 20,
-                        plan_peak_bytes=2300 << 20, memory_limit_bytes=4 << 30)
+    report = LoadReport(
+        url="http://x",
+        clients=2,
+        duration_s=5,
+        wall_s=5.5,
+        max_tokens=8,
+        prompt_words=4,
+        requests=3,
+        errors=["HTTP 500: boom"],
+        tokens=16,
+        ttft_p50_s=0.1,
+        ttft_p95_s=0.2,
+        throughput_tps=2.9,
+        stream_tps_p50=20.0,
+        rss_anon_max_bytes=2100 << 20,
+        rss_anon_peak_bytes=2200 << 20,
+        plan_steady_bytes=2000 << 20,
+        plan_peak_bytes=2300 << 20,
+        memory_limit_bytes=4 << 30,
+    )
     assert not report.under_plan  # the steady figure was exceeded during the load
     table = format_load_table({"bf16": report})
     assert "OVER" in table and "bf16: error: HTTP 500: boom" in table

@@ -23,8 +23,16 @@ def w4a16_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve_plan(model: Path, limit: int | None) -> dict:
-    req = ServeRequest(model=model, weight_path="auto", priority="speed", host="127.0.0.1", port=8000,
-                       max_model_len=2048, max_num_seqs=4, memory_limit=limit)
+    req = ServeRequest(
+        model=model,
+        weight_path="auto",
+        priority="speed",
+        host="127.0.0.1",
+        port=8000,
+        max_model_len=2048,
+        max_num_seqs=4,
+        memory_limit=limit,
+    )
     prepared = prepare(req, log=lambda _: None)
     prepared.sampler.stop()
     return prepared.plan.as_dict()
@@ -39,9 +47,14 @@ def _plan_command(model: Path, limit: int | None) -> dict:
 
 @pytest.mark.parametrize("which", ["bf16", "w4a16"])
 @pytest.mark.parametrize("limit", [None, 3 * GiB])
-def test_plan_prints_the_plan_serve_runs_with(which: str, limit: int | None, bf16_checkpoint: Path,
-                                             w4a16_build: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_prints_the_plan_serve_runs_with(
+    which: str,
+    limit: int | None,
+    bf16_checkpoint: Path,
+    w4a16_build: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("SPARK_EDGE_HOME", str(tmp_path))  # serve's run folder and calibration: this test's own
     model = bf16_checkpoint if which == "bf16" else w4a16_build
     served = _serve_plan(model, limit)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import os
 import platform
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from spark_edge import exit_codes
+from spark_edge.cli import main
 from spark_edge.probe import (
     UnsupportedHostError,
     image_isa_problem,
@@ -27,7 +28,6 @@ from spark_edge.probe import (
     recommended_image,
     select_weight_path,
 )
-from spark_edge.cli import main
 from spark_edge.probe.cpu_features import decode_arm_hwcaps, read_auxv_hwcaps
 from spark_edge.probe.cpus import usable_cores
 
@@ -71,12 +71,25 @@ def cpuinfo_features_line(device: str) -> set[str]:
 
 # ----------------------------------------------------------------------------- x86 devices
 
+
 def test_sapphire_rapids_with_amx_gets_w4a8(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "sapphire_rapids"), machine="x86_64")
     assert profile.machine == "x86_64"
     assert profile.cpu_model == "Intel(R) Xeon(R) Platinum 8488C"
-    assert profile.features == {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                                "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+    assert profile.features == {
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512dq",
+        "avx512vl",
+        "avx512_bf16",
+        "avx512_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    }
     assert profile.amx_usable
     choice = select_weight_path(profile)
     assert (choice.name, choice.verified, choice.notes) == ("w4a8", True, ())
@@ -101,8 +114,17 @@ def test_amx_flag_without_kernel_permission_falls_back_to_w4a16(tmp_path: Path) 
 def test_zen4_avx512_without_amx_gets_w4a16(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "zen4"), machine="x86_64")
     assert profile.cpu_model == "AMD EPYC 9R14"
-    assert profile.features == {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                                "avx512_bf16", "avx512_vnni"}
+    assert profile.features == {
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512dq",
+        "avx512vl",
+        "avx512_bf16",
+        "avx512_vnni",
+    }
     assert not profile.amx_usable
     choice = select_weight_path(profile)
     assert (choice.name, choice.verified, choice.notes) == ("w4a16", True, ())
@@ -129,6 +151,7 @@ def test_sandy_bridge_without_avx2_is_refused(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- ARM devices
+
 
 def test_graviton3_features_come_from_auxv(tmp_path: Path) -> None:
     root = device_tree(tmp_path, "graviton3", files={"proc/self/auxv": auxv(*GRAVITON3_HWCAPS)})
@@ -161,11 +184,18 @@ def test_auxv_decoding_agrees_with_the_kernels_features_line(device: str, hwcaps
     assert decoded == wanted
 
 
-@pytest.mark.parametrize("name, hwcap, hwcap2", [
-    # one bit at a time, from arch/arm64/include/uapi/asm/hwcap.h (real CPUs set neighbours together)
-    ("asimd", 1 << 1, 0), ("asimddp", 1 << 20, 0), ("sve", 1 << 22, 0),
-    ("sve2", 0, 1 << 1), ("i8mm", 0, 1 << 13), ("bf16", 0, 1 << 14),
-])
+@pytest.mark.parametrize(
+    "name, hwcap, hwcap2",
+    [
+        # one bit at a time, from arch/arm64/include/uapi/asm/hwcap.h (real CPUs set neighbours together)
+        ("asimd", 1 << 1, 0),
+        ("asimddp", 1 << 20, 0),
+        ("sve", 1 << 22, 0),
+        ("sve2", 0, 1 << 1),
+        ("i8mm", 0, 1 << 13),
+        ("bf16", 0, 1 << 14),
+    ],
+)
 def test_each_hwcap_bit_decodes_to_its_feature_alone(name: str, hwcap: int, hwcap2: int) -> None:
     assert decode_arm_hwcaps(hwcap, hwcap2) == {name}
 
@@ -195,6 +225,7 @@ def test_a_fixture_root_needs_its_machine(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- cores and memory
+
 
 def test_hosts_without_limits_use_affinity_and_host_memory(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "zen4"), machine="x86_64")
@@ -250,12 +281,16 @@ def test_container_at_cgroup_root_without_mountinfo_assumes_sys_fs_cgroup(tmp_pa
 
 def test_a_parents_limit_binds_the_process(tmp_path: Path) -> None:
     # systemd: the service's own cgroup is unlimited, its slice caps memory and CPU.
-    root = device_tree(tmp_path, "zen4", files={
-        "sys/fs/cgroup/system.slice/memory.max": f"{GIB}\n",
-        "sys/fs/cgroup/system.slice/memory.current": f"{400 * MIB}\n",
-        "sys/fs/cgroup/system.slice/memory.stat": f"anon {300 * MIB}\ninactive_file {100 * MIB}\nactive_file 0\n",
-        "sys/fs/cgroup/system.slice/cpu.max": "250000 100000\n",
-    })
+    root = device_tree(
+        tmp_path,
+        "zen4",
+        files={
+            "sys/fs/cgroup/system.slice/memory.max": f"{GIB}\n",
+            "sys/fs/cgroup/system.slice/memory.current": f"{400 * MIB}\n",
+            "sys/fs/cgroup/system.slice/memory.stat": f"anon {300 * MIB}\ninactive_file {100 * MIB}\nactive_file 0\n",
+            "sys/fs/cgroup/system.slice/cpu.max": "250000 100000\n",
+        },
+    )
     profile = probe_device(root, machine="x86_64")
     assert profile.cpus.cgroup_quota == 2.5
     assert profile.cpus.usable_cores == 2
@@ -279,14 +314,23 @@ def test_pi5_without_numa_or_memory_controller(tmp_path: Path) -> None:
     assert profile.memory.ceiling == 7702148 * 1024
 
 
-@pytest.mark.parametrize("affinity, quota, cores", [
-    (8, None, 8), (8, 1.5, 1), (8, 0.5, 1), (8, 2.99, 2), (2, 4.0, 2), (8, 3.0, 3),
-])
+@pytest.mark.parametrize(
+    "affinity, quota, cores",
+    [
+        (8, None, 8),
+        (8, 1.5, 1),
+        (8, 0.5, 1),
+        (8, 2.99, 2),
+        (2, 4.0, 2),
+        (8, 3.0, 3),
+    ],
+)
 def test_usable_cores_floors_the_quota_but_never_reaches_zero(affinity: int, quota: float | None, cores: int) -> None:
     assert usable_cores(affinity, quota) == cores
 
 
 # ----------------------------------------------------------------------------- explicit paths, images
+
 
 def test_explicit_weight_path_overrides_the_choice(tmp_path: Path) -> None:
     spr = probe_device(device_tree(tmp_path, "sapphire_rapids"), machine="x86_64")
@@ -326,13 +370,16 @@ def test_other_architectures_are_refused(tmp_path: Path) -> None:
         select_weight_path(profile)
 
 
-@pytest.mark.parametrize("device, machine, image", [
-    ("sapphire_rapids", "x86_64", "spark-edge:amx"),
-    ("zen4", "x86_64", "spark-edge:avx512"),
-    ("haswell", "x86_64", None),
-    ("sandy_bridge", "x86_64", None),
-    ("raspberry_pi5", "aarch64", "spark-edge:arm"),
-])
+@pytest.mark.parametrize(
+    "device, machine, image",
+    [
+        ("sapphire_rapids", "x86_64", "spark-edge:amx"),
+        ("zen4", "x86_64", "spark-edge:avx512"),
+        ("haswell", "x86_64", None),
+        ("sandy_bridge", "x86_64", None),
+        ("raspberry_pi5", "aarch64", "spark-edge:arm"),
+    ],
+)
 def test_recommended_image(tmp_path: Path, device: str, machine: str, image: str | None) -> None:
     assert recommended_image(probe_device(device_tree(tmp_path, device), machine=machine)) == image
 
@@ -347,9 +394,11 @@ def test_image_isa_check_names_the_image_to_use(tmp_path: Path) -> None:
     assert image_isa_problem("amx", spr) is None
     assert image_isa_problem("avx512", spr) is None  # runs, though the amx image is faster
     assert image_isa_problem("arm64", pi5) is None
-    assert image_isa_problem("amx", zen4) == ("spark-edge:amx needs AMX int8 tiles usable by this process (Sapphire "
-                                              "Rapids or newer Xeon), and this CPU lacks amx_tile, amx_int8: use "
-                                              "spark-edge:avx512 instead")
+    assert image_isa_problem("amx", zen4) == (
+        "spark-edge:amx needs AMX int8 tiles usable by this process (Sapphire "
+        "Rapids or newer Xeon), and this CPU lacks amx_tile, amx_int8: use "
+        "spark-edge:avx512 instead"
+    )
     assert image_isa_problem("arm64", spr).endswith("this CPU is x86_64: use spark-edge:amx instead")
     assert image_isa_problem("avx512", pi5).endswith("this CPU is aarch64: use spark-edge:arm instead")
     avx2_only = image_isa_problem("avx512", haswell)
@@ -372,8 +421,13 @@ def test_probe_command_json_has_stable_keys(tmp_path: Path) -> None:
     out = json.loads(result.stdout)
     assert set(out) == JSON_KEYS and set(out["device"]) == DEVICE_KEYS
     assert set(out["device"]["cpus"]) == {"affinity", "cgroup_quota", "usable_cores", "numa_nodes"}
-    assert set(out["device"]["memory"]) == {"host_total_bytes", "host_available_bytes", "cgroup_limit_bytes",
-                                            "cgroup_used_bytes", "ceiling_bytes"}
+    assert set(out["device"]["memory"]) == {
+        "host_total_bytes",
+        "host_available_bytes",
+        "cgroup_limit_bytes",
+        "cgroup_used_bytes",
+        "ceiling_bytes",
+    }
     assert out["device"]["cpus"]["cgroup_quota"] == 1.5
     assert out["device"]["memory"]["cgroup_limit_bytes"] == 2 * GIB
     assert out["weight_path"]["name"] == "w4a16" and out["error"] is None
@@ -410,6 +464,7 @@ def test_probe_command_root_needs_machine(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- this machine
+
 
 def _meminfo_kib(key: str) -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -12,16 +12,17 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
 
-from conftest import Server, running_server
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.metrics.process_tree import process_tree
+
+from conftest import Server, running_server
 
 pytestmark = pytest.mark.engine
 
@@ -67,8 +68,13 @@ def _greedy_token_ids(server: Server) -> list[list[int]]:
     Every kernel path is still crossed: short prefill, long prefill, single-row decode."""
     ids = []
     for prompt in PROMPTS:
-        body = {"model": DEFAULT_MODEL_ID, "prompt": prompt, "max_tokens": 24, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": DEFAULT_MODEL_ID,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         reply = server.post("/v1/completions", body)
         assert reply.status_code == 200, reply.text
         (choice,) = reply.json()["choices"]
@@ -78,19 +84,27 @@ def _greedy_token_ids(server: Server) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def split_server(spark_edge_home: Path, w4a16_server: Server,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def split_server(
+    spark_edge_home: Path, w4a16_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """vLLM's own CPU layout: the worker in a process of its own, bound by vLLM to one core."""
-    yield from running_server("w4a16_split", ["--weight-path", "w4a16", "--process-layout", "split"],
-                              spark_edge_home, tmp_path_factory)
+    yield from running_server(
+        "w4a16_split", ["--weight-path", "w4a16", "--process-layout", "split"], spark_edge_home, tmp_path_factory
+    )
 
 
 @pytest.fixture(scope="module")
-def engine_one_thread_server(spark_edge_home: Path, split_server: Server,
-                             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def engine_one_thread_server(
+    spark_edge_home: Path, split_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """Our layout computing on one thread, as the split layout's worker does: the layouts compared alone."""
-    yield from running_server("w4a16_engine_1thread", ["--weight-path", "w4a16", "--process-layout", "engine"],
-                              spark_edge_home, tmp_path_factory, env={"OMP_NUM_THREADS": "1"})
+    yield from running_server(
+        "w4a16_engine_1thread",
+        ["--weight-path", "w4a16", "--process-layout", "engine"],
+        spark_edge_home,
+        tmp_path_factory,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_default_layout_runs_the_worker_inside_the_engine_core(w4a16_server: Server) -> None:
@@ -109,11 +123,18 @@ def test_greedy_tokens_identical_across_layouts(engine_one_thread_server: Server
 
 
 def _stream(server: Server, i: int) -> int:
-    body = {"model": DEFAULT_MODEL_ID, "prompt": f"Request {i}: write a sentence about the sea.",
-            "max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "prompt": f"Request {i}: write a sentence about the sea.",
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     chunks = 0
-    with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers, stream=True,
-                       timeout=300) as reply:
+    with requests.post(
+        f"{server.url}/v1/completions", json=body, headers=server.headers, stream=True, timeout=300
+    ) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":

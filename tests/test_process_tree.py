@@ -11,7 +11,10 @@ from spark_edge.metrics.process_tree import TreeRssSampler, process_tree, rss_an
 MiB = 1 << 20
 
 # A parent that starts a child; the child touches 200 MiB, reports, then frees it and waits.
-_CHILD = "import sys,time; b=bytearray(200<<20); print('full', flush=True); sys.stdin.readline(); del b; print('freed', flush=True); time.sleep(60)"
+_CHILD = (
+    "import sys,time; b=bytearray(200<<20); print('full', flush=True); sys.stdin.readline(); del b; "
+    "print('freed', flush=True); time.sleep(60)"
+)
 _PARENT = f"import subprocess,sys; p=subprocess.Popen([sys.executable,'-c',{_CHILD!r}]); p.wait()"
 
 

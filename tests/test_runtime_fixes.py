@@ -14,13 +14,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
-from engine_lock import flock_prefix
 
 from spark_edge.runtime import compile_cache, fixes, post_import
 from spark_edge.runtime.compile_cache import (
@@ -34,6 +33,7 @@ from spark_edge.runtime.compile_cache import (
 )
 from spark_edge.runtime.memory import ENV_RELEASE, release_free_memory, releasers
 
+from engine_lock import flock_prefix
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def _fill(root: Path) -> None:
 
 
 # --- stamp ---------------------------------------------------------------------------------------
+
 
 def test_cache_stamp_names_isa_versions_weight_path_and_machine() -> None:
     import platform
@@ -89,15 +90,19 @@ def test_same_stamp_is_reusable_and_keeps_the_cache(tmp_path: Path, run_dir: Pat
     assert read_events(run_dir) == []
 
 
-@pytest.mark.parametrize("key, value", [
-    ("isa_features", ["avx2", "f16c", "fma"]),  # same CPU family without AVX-512
-    ("torch", "2.12.0+cpu"),
-    ("vllm", "0.31.0"),
-    ("weight_path", "w4a16"),
-    ("machine", "aarch64"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("isa_features", ["avx2", "f16c", "fma"]),  # same CPU family without AVX-512
+        ("torch", "2.12.0+cpu"),
+        ("vllm", "0.31.0"),
+        ("weight_path", "w4a16"),
+        ("machine", "aarch64"),
+    ],
+)
 def test_stamp_for_something_else_is_refused_counted_emptied_restamped(
-        tmp_path: Path, run_dir: Path, key: str, value: Any) -> None:
+    tmp_path: Path, run_dir: Path, key: str, value: Any
+) -> None:
     root = tmp_path / "vllm-cache"
     prepare_cache_root(root, _stamp(**{key: value}))
     _fill(root)
@@ -143,6 +148,7 @@ def test_emptying_removes_only_what_is_under_root(tmp_path: Path, run_dir: Path)
 
 # --- events --------------------------------------------------------------------------------------
 
+
 def test_no_run_dir_means_no_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compile_cache.ENV_RUN_DIR, raising=False)
     assert record_event(HIT) is False
@@ -161,7 +167,7 @@ def test_events_are_json_lines_with_pid_and_time(run_dir: Path) -> None:
 
 
 def test_events_from_concurrent_processes_stay_whole_lines(run_dir: Path) -> None:
-    writer = textwrap.dedent(f"""
+    writer = textwrap.dedent("""
         from spark_edge.runtime.compile_cache import record_event
         for i in range(300):
             assert record_event("compile_cache_miss", reason="x" * 300, i=i)
@@ -189,6 +195,7 @@ def test_unwritable_run_dir_does_not_raise(tmp_path: Path, monkeypatch: pytest.M
 
 
 # --- post-import hook ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def scratch_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
@@ -233,6 +240,7 @@ def test_failing_callback_does_not_break_the_import(scratch_module: str) -> None
 
 
 # --- finalize_loading shim -----------------------------------------------------------------------
+
 
 class _Forwarding:
     """Shaped like torch's BundledAOTAutogradSerializableCallable: attributes forward to a function."""
@@ -291,7 +299,8 @@ def _kernel_import_error(path: Path) -> RuntimeError:
 
 
 def test_damaged_kernel_under_the_inductor_cache_is_removed_so_it_is_rebuilt(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "inductor_cache"
     kernel = cache / "br" / "cbr.main.so"
     kernel.parent.mkdir(parents=True)
@@ -309,7 +318,8 @@ def test_damaged_kernel_under_the_inductor_cache_is_removed_so_it_is_rebuilt(
 
 
 def test_only_kernels_under_the_inductor_cache_are_ever_removed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache, elsewhere = tmp_path / "inductor_cache", tmp_path / "site-packages" / "torch" / "lib.so"
     cache.mkdir()
     elsewhere.parent.mkdir(parents=True)
@@ -356,8 +366,9 @@ def fake_compiled_model() -> SimpleNamespace:
     from vllm.config import VllmConfig
 
     config = VllmConfig()
-    return SimpleNamespace(vllm_config=config, compilation_config=config.compilation_config,
-                           _is_encoder=False, forward=_double_silu)
+    return SimpleNamespace(
+        vllm_config=config, compilation_config=config.compilation_config, _is_encoder=False, forward=_double_silu
+    )
 
 
 @pytest.fixture
@@ -397,15 +408,21 @@ def test_apply_is_idempotent_and_patches_vllm_when_imported(fixed_decorators: An
 
 
 def test_vllm_loads_a_real_cpu_aot_artifact_only_with_the_shim(
-        fixed_decorators: Any, real_aot_artifact: Path, fake_compiled_model: SimpleNamespace,
-        vllm_log: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed_decorators: Any,
+    real_aot_artifact: Path,
+    fake_compiled_model: SimpleNamespace,
+    vllm_log: list[str],
+    run_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch
 
     patched = torch.compiler.load_compiled_function
     monkeypatch.setattr(torch.compiler, "load_compiled_function", patched.__wrapped__)
     assert fixed_decorators._try_load_aot_compiled_fn(fake_compiled_model, str(real_aot_artifact)) is None
     assert any("'function' object has no attribute 'finalize_loading'" in m for m in vllm_log), (
-        "vLLM/torch no longer fail here: the finalize_loading shim can be removed")
+        "vLLM/torch no longer fail here: the finalize_loading shim can be removed"
+    )
 
     monkeypatch.setattr(torch.compiler, "load_compiled_function", patched)
     loaded = fixed_decorators._try_load_aot_compiled_fn(fake_compiled_model, str(real_aot_artifact))
@@ -413,14 +430,19 @@ def test_vllm_loads_a_real_cpu_aot_artifact_only_with_the_shim(
     assert any("Directly load AOT compilation" in m for m in vllm_log)
     x = torch.randn(4, 8)
     assert torch.allclose(loaded(x), _double_silu(x))
-    assert [(e["event"], e.get("reason")) for e in read_events(run_dir)] == [
-        (MISS, "load_failed"), (HIT, None)]
+    assert [(e["event"], e.get("reason")) for e in read_events(run_dir)] == [(MISS, "load_failed"), (HIT, None)]
 
 
 @pytest.mark.parametrize("keep_bytes", [0, 200])
 def test_truncated_artifact_is_a_counted_miss(
-        fixed_decorators: Any, real_aot_artifact: Path, fake_compiled_model: SimpleNamespace,
-        vllm_log: list[str], run_dir: Path, tmp_path: Path, keep_bytes: int) -> None:
+    fixed_decorators: Any,
+    real_aot_artifact: Path,
+    fake_compiled_model: SimpleNamespace,
+    vllm_log: list[str],
+    run_dir: Path,
+    tmp_path: Path,
+    keep_bytes: int,
+) -> None:
     truncated = tmp_path / "model"
     truncated.write_bytes(real_aot_artifact.read_bytes()[:keep_bytes])
     assert fixed_decorators._try_load_aot_compiled_fn(fake_compiled_model, str(truncated)) is None
@@ -431,7 +453,8 @@ def test_truncated_artifact_is_a_counted_miss(
 
 
 def test_missing_artifact_is_a_counted_miss(
-        fixed_decorators: Any, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path) -> None:
+    fixed_decorators: Any, fake_compiled_model: SimpleNamespace, run_dir: Path, tmp_path: Path
+) -> None:
     assert fixed_decorators._try_load_aot_compiled_fn(fake_compiled_model, str(tmp_path / "none")) is None
     assert [(e["event"], e["reason"]) for e in read_events(run_dir)] == [(MISS, "no_artifact")]
 
@@ -466,8 +489,9 @@ _FRAGMENT_AND_FREE = textwrap.dedent("""
 
 
 def _run_fragmenter(env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", _FRAGMENT_AND_FREE], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _FRAGMENT_AND_FREE], env=env, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -535,6 +559,7 @@ def test_cpu_worker_load_and_warm_up_are_wrapped_when_vllm_imports_them() -> Non
 
 # --- a real engine, twice on one cache folder ----------------------------------------------------
 
+
 def _engine_child(model: str) -> None:
     """One engine start in this process (uni executor, no engine-core subprocess); prints JSON."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -542,16 +567,27 @@ def _engine_child(model: str) -> None:
     from vllm import LLM, SamplingParams
 
     start = time.monotonic()
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, max_num_seqs=2,
-              kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni")
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=2,
+        kv_cache_memory_bytes=64 << 20,
+        distributed_executor_backend="uni",
+    )
     init_s = time.monotonic() - start
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))
     print("ENGINE_RESULT " + json.dumps({"init_s": init_s, "text": out[0].outputs[0].text}), flush=True)
 
 
 def _start_engine(model: Path, cache_root: Path, run: Path, log: Path) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), compile_cache.ENV_RUN_DIR: str(run),
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(cache_root),
+        compile_cache.ENV_RUN_DIR: str(run),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
     cmd = [*flock_prefix(), sys.executable, __file__, "--engine-child", str(model)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1200).returncode
@@ -578,8 +614,7 @@ def test_compile_cache_warm_start_and_corrupt_artifact_rebuild(bf16_checkpoint: 
     assert warm["text"] == cold["text"] and warm["text"].strip()  # same host, same graph: the same greedy text
     assert "released free heap memory after model load" in warm["log"]
     assert "released free heap memory after compile and warm-up" in warm["log"]
-    assert [(e["event"], e.get("reason")) for e in read_events(run)] == [
-        (MISS, "no_artifact"), (HIT, None)]
+    assert [(e["event"], e.get("reason")) for e in read_events(run)] == [(MISS, "no_artifact"), (HIT, None)]
     assert warm["init_s"] < 0.5 * cold["init_s"], (cold["init_s"], warm["init_s"])
 
     # a compiled artifact cut to nothing: vLLM's EOFError case, counted as a miss and rebuilt

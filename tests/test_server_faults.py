@@ -9,18 +9,19 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 import requests
 
-from conftest import Server
 from spark_edge import exit_codes
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.metrics.process_tree import process_tree, tree_rss_anon_bytes
 from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
+
+from conftest import Server
 
 pytestmark = pytest.mark.engine
 
@@ -29,8 +30,9 @@ GOOD = {"model": DEFAULT_MODEL_ID, "prompt": "The capital of France is", "max_to
 
 
 @pytest.fixture(scope="module")
-def fault_server(bf16_server: Server, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[Server]:
+def fault_server(
+    bf16_server: Server, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """bf16 without an API key; started after bf16_server so its compile cache is warm."""
     server = Server(["--weight-path", "bf16"], spark_edge_home, tmp_path_factory.mktemp("logs") / "faults.log")
     try:
@@ -50,8 +52,9 @@ def _raw_post(server: Server, headers: dict[str, str], chunks: Iterator[bytes], 
     head = {"Host": "127.0.0.1", "Content-Type": "application/json", **headers}
     if key:
         head["Authorization"] = f"Bearer {key}"
-    sock.sendall(("POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
-                  + "\r\n").encode())
+    sock.sendall(
+        ("POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items()) + "\r\n").encode()
+    )
     try:
         for chunk in chunks:
             sock.sendall(chunk)
@@ -122,8 +125,13 @@ async def _dropping_clients(url: str, requests_total: int, clients: int) -> int:
         nonlocal dropped
         while not queue.empty():
             i = queue.get_nowait()
-            body = {**GOOD, "prompt": f"Request {i}: tell me a long story about", "max_tokens": 64,
-                    "stream": True, "ignore_eos": True}
+            body = {
+                **GOOD,
+                "prompt": f"Request {i}: tell me a long story about",
+                "max_tokens": 64,
+                "stream": True,
+                "ignore_eos": True,
+            }
             async with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
                 assert reply.status_code == 200
                 wanted, seen = 1 + i % 5, 0
@@ -156,8 +164,10 @@ def test_hundreds_of_dropped_streams_leave_nothing_behind(fault_server: Server) 
     reply = requests.post(f"{fault_server.url}/v1/completions", json=GOOD, timeout=120)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     after = _rss(fault_server)
-    print(f"500 streams dropped after 1-5 tokens by 50 clients in {took:.1f} s; running/waiting back to 0; "
-          f"tree anonymous RSS {before / MiB:.0f} -> {after / MiB:.0f} MiB ({(after - before) / before:+.1%})")
+    print(
+        f"500 streams dropped after 1-5 tokens by 50 clients in {took:.1f} s; running/waiting back to 0; "
+        f"tree anonymous RSS {before / MiB:.0f} -> {after / MiB:.0f} MiB ({(after - before) / before:+.1%})"
+    )
     assert abs(after - before) <= 0.05 * before
 
 
@@ -187,8 +197,10 @@ def test_sigkill_of_the_engine_fails_health_and_exits_non_zero(fault_server: Ser
     except Exception:
         exit_code = None
     exited_after = time.monotonic() - killed
-    print(f"engine SIGKILLed: /health non-200 after {unhealthy_after:.2f} s, server exited {exit_code} after "
-          f"{exited_after:.1f} s")
+    print(
+        f"engine SIGKILLed: /health non-200 after {unhealthy_after:.2f} s, server exited {exit_code} after "
+        f"{exited_after:.1f} s"
+    )
     assert unhealthy_after is not None and unhealthy_after < 2
     assert exit_code == exit_codes.ENGINE_DIED, fault_server.log_tail()
     assert exited_after < 10

@@ -23,9 +23,15 @@ def test_arm_specs() -> None:
     assert parse_arm("w4a16") == ("w4a16", (), {})
     assert parse_arm("w4a16@split") == ("w4a16", ("--process-layout", "split"), {})
     assert parse_arm("bf16@engine+torch-dequant") == (
-        "bf16", ("--process-layout", "engine"), {"SPARK_EDGE_NATIVE_DEQUANT": "0"})
+        "bf16",
+        ("--process-layout", "engine"),
+        {"SPARK_EDGE_NATIVE_DEQUANT": "0"},
+    )
     assert parse_arm("w4a16+cpp-wrapper")[2] == {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"}
-    for bad, message in (("w5a16", "unknown weight path"), ("w4a16@threads", "unknown process layout"),
-                         ("w4a16+turbo", "unknown variant")):
+    for bad, message in (
+        ("w5a16", "unknown weight path"),
+        ("w4a16@threads", "unknown process layout"),
+        ("w4a16+turbo", "unknown variant"),
+    ):
         with pytest.raises(click.UsageError, match=message):
             parse_arm(bad)

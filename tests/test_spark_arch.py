@@ -15,27 +15,30 @@ from __future__ import annotations
 
 import json
 import math
-import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from conftest import single_process_tp_group
-from hf_reference import logprob_matrix
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
-from spark_reference import SparkReference
 from spark_edge.models.tiny_spark import TinySparkShape, make_tiny_spark, spark_config
 from spark_edge.planning.memory_plan import KV_BLOCK_TOKENS, kv_bytes_for, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.quant.cpu_int4_op import kernel_for
 
+from conftest import single_process_tp_group
+from hf_reference import logprob_matrix
+from spark_reference import SparkReference
+
 AMX = torch.cpu._is_amx_tile_supported()
-NO_AMX_REASON = ("this CPU has no usable AMX tiles (torch.cpu._is_amx_tile_supported() is False): vLLM would run "
-                 "the GPTQ checkpoint through its W4A16 fallback, not the AMX W4A8 kernel")
+NO_AMX_REASON = (
+    "this CPU has no usable AMX tiles (torch.cpu._is_amx_tile_supported() is False): vLLM would run "
+    "the GPTQ checkpoint through its W4A16 fallback, not the AMX W4A8 kernel"
+)
 
 # The 1.7B's config as published (field names and values of the reference facts)
 FULL_SIZE = dict(spark_config(TinySparkShape(layers=28, hidden=2048, intermediate=6656, vocab=131072)))
@@ -87,15 +90,18 @@ def test_plugin_registers_the_architecture_lazily() -> None:
     assert model_cls is not None and f"{model_cls.__module__}:{model_cls.__name__}" == SPARK_MODEL_CLASS
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"layer_types": [SLIDING] * 3}, "3 layer_types for 4 layers"),
-    ({"sliding_window": None}, "positive sliding_window"),
-    ({"hidden_act": "silu"}, "hidden_act must be 'gelu'"),
-    ({"gate_attn_act_mode": "tanh"}, "gate_attn_act_mode 'tanh'"),
-    ({"num_key_value_heads": 3}, "do not group over 3 KV heads"),
-    ({"rope_parameters": {FULL: {"rope_theta": 5e6}}}, "an entry per layer type"),
-    ({"rope_parameters": {FULL: {"rope_type": "yarn"}, SLIDING: {}}}, "rope_type 'yarn'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_types": [SLIDING] * 3}, "3 layer_types for 4 layers"),
+        ({"sliding_window": None}, "positive sliding_window"),
+        ({"hidden_act": "silu"}, "hidden_act must be 'gelu'"),
+        ({"gate_attn_act_mode": "tanh"}, "gate_attn_act_mode 'tanh'"),
+        ({"num_key_value_heads": 3}, "do not group over 3 KV heads"),
+        ({"rope_parameters": {FULL: {"rope_theta": 5e6}}}, "an entry per layer type"),
+        ({"rope_parameters": {FULL: {"rope_type": "yarn"}, SLIDING: {}}}, "rope_type 'yarn'"),
+    ],
+)
 def test_inconsistent_configs_are_refused_by_name(change: dict, message: str) -> None:
     config = {**spark_config(TinySparkShape()), **change}
     with pytest.raises(ValueError, match=message):
@@ -169,8 +175,13 @@ def test_rope_table_capped_at_the_served_context(vllm_tp1: None) -> None:
     rows = rope_max_position(FULL_SIZE["max_position_embeddings"], MAX_MODEL_LEN)
     tables = {}
     for kind, params in FULL_SIZE["rope_parameters"].items():
-        rope = get_rope(256, max_position=rows, is_neox_style=True, dtype=torch.float32,
-                        rope_parameters={"rope_type": "default", **params})
+        rope = get_rope(
+            256,
+            max_position=rows,
+            is_neox_style=True,
+            dtype=torch.float32,
+            rope_parameters={"rope_type": "default", **params},
+        )
         tables[kind] = rope.cos_sin_cache
     assert tables[SLIDING].shape == (2048, 256) and tables[FULL].shape == (2048, 64)
     capped = sum(t.shape[0] * t.shape[1] * 2 for t in tables.values())  # bytes in bf16, as served
@@ -191,11 +202,14 @@ def test_fused_qkv_splits_by_rows_and_refuses_what_it_cannot_split() -> None:
 
     dims = spark_dims(FULL_SIZE)
     name = "model.layers.3.self_attn.q_k_v_proj"
-    fused = {f"{name}.weight_packed": torch.arange(3072).view(3072, 1).expand(3072, 4).to(torch.int32),
-             f"{name}.weight_scale": torch.arange(3072.0).view(3072, 1)}
+    fused = {
+        f"{name}.weight_packed": torch.arange(3072).view(3072, 1).expand(3072, 4).to(torch.int32),
+        f"{name}.weight_scale": torch.arange(3072.0).view(3072, 1),
+    }
     out = dict(split_fused_qkv(fused.items(), dims))
-    assert sorted(out) == sorted(f"model.layers.3.self_attn.{p}_proj.{s}" for p in "qkv"
-                                 for s in ("weight_packed", "weight_scale"))
+    assert sorted(out) == sorted(
+        f"model.layers.3.self_attn.{p}_proj.{s}" for p in "qkv" for s in ("weight_packed", "weight_scale")
+    )
     for part, (lo, hi) in zip("qkv", ((0, 2048), (2048, 2560), (2560, 3072))):
         assert out[f"model.layers.3.self_attn.{part}_proj.weight_packed"][:, 0].tolist() == list(range(lo, hi))
     with pytest.raises(ValueError, match="cannot be split on load"):
@@ -231,8 +245,12 @@ def test_tiny_spark_command_writes_a_spark_checkpoint_with_a_full_tokenizer(tmp_
     assert dims.layer_types == (SLIDING,) * 3 + (FULL,) + (SLIDING,) * 3 + (FULL,)
     assert dims.sliding_window == 64 and dims.tied and dims.qkv_rows == (2048, 512, 512)
     names = set(_tensors(out))
-    assert {"model.embedding.weight", "model.layers.7.self_attn.q_k_v_proj.weight",
-            "model.layers.7.self_attn.g_proj.weight", "model.norm.weight"} <= names
+    assert {
+        "model.embedding.weight",
+        "model.layers.7.self_attn.q_k_v_proj.weight",
+        "model.layers.7.self_attn.g_proj.weight",
+        "model.norm.weight",
+    } <= names
     assert not any(n.startswith("lm_head") for n in names)
     tok = AutoTokenizer.from_pretrained(out)
     assert len(tok) == config["vocab_size"]  # every id the model can emit decodes
@@ -313,9 +331,16 @@ def test_full_size_fused_qkv_through_vllm_cpu_int4_loader_and_kernels(vllm_tp1: 
     q = quantize(w, 128, search=False)
     name = "model.layers.0.self_attn.q_k_v_proj"
     ckpt = {f"{name}.weight_packed": q.packed, f"{name}.weight_scale": q.scale, f"{name}.weight_zero": q.zero}
-    layer = QKVParallelLinear(2048, 256, 8, 2, bias=False, params_dtype=torch.bfloat16,
-                              quant_config=CpuInt4Config(CpuInt4Settings(group_size=128)),
-                              prefix="model.layers.0.self_attn.qkv_proj")
+    layer = QKVParallelLinear(
+        2048,
+        256,
+        8,
+        2,
+        bias=False,
+        params_dtype=torch.bfloat16,
+        quant_config=CpuInt4Config(CpuInt4Settings(group_size=128)),
+        prefix="model.layers.0.self_attn.qkv_proj",
+    )
     for split_name, tensor in split_fused_qkv(ckpt.items(), dims):
         part, suffix = split_name.split(".")[-2][0], split_name.split(".")[-1]
         param = getattr(layer, suffix)
@@ -341,9 +366,16 @@ def test_full_size_split_qkv_loads_into_vllm_gptq(vllm_tp1: None, monkeypatch: p
 
     monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "1")
     w = torch.randn(3072, 2048, generator=torch.Generator().manual_seed(4)) * 0.02
-    layer = QKVParallelLinear(2048, 256, 8, 2, bias=False, params_dtype=torch.bfloat16,
-                              quant_config=AutoGPTQConfig.from_config(quantization_config(128)),
-                              prefix="model.layers.0.self_attn.qkv_proj")
+    layer = QKVParallelLinear(
+        2048,
+        256,
+        8,
+        2,
+        bias=False,
+        params_dtype=torch.bfloat16,
+        quant_config=AutoGPTQConfig.from_config(quantization_config(128)),
+        prefix="model.layers.0.self_attn.qkv_proj",
+    )
     exact = []
     for part, (lo, hi) in zip("qkv", ((0, 2048), (2048, 2560), (2560, 3072))):
         q = gptq_layout.quantize(w[lo:hi], 128)
@@ -417,8 +449,12 @@ W4A8_MEAN_NAT = 0.5
 
 
 def _engine_env(cache_root: Path) -> dict[str, str]:
-    return {"VLLM_CACHE_ROOT": str(cache_root), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model ships a function to the worker
+    return {
+        "VLLM_CACHE_ROOT": str(cache_root),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }  # apply_model ships a function to the worker
 
 
 @pytest.fixture(scope="module")
@@ -432,9 +468,17 @@ def _llm(model: Path, kv_bytes: int, monkeypatch: pytest.MonkeyPatch, cache_root
     for key, value in _engine_env(cache_root).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    return LLM(model=str(model), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-               max_num_batched_tokens=BATCHED_TOKENS, kv_cache_memory_bytes=kv_bytes, max_logprobs=-1,
-               enable_prefix_caching=False, seed=0)
+    return LLM(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=2,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        kv_cache_memory_bytes=kv_bytes,
+        max_logprobs=-1,
+        enable_prefix_caching=False,
+        seed=0,
+    )
 
 
 def _shutdown(llm: Any) -> None:
@@ -455,7 +499,9 @@ def _deviation(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="class")
-def bf16_llm(builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def bf16_llm(
+    builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     # KV as the memory plan sizes it for one full-length sequence with 256 tokens in flight:
     # vLLM refuses to start if that is less than its own admission check asks for
     kv = kv_bytes_for(tiny_shape, MAX_MODEL_LEN, 1, BATCHED_TOKENS)
@@ -471,15 +517,21 @@ def long_run(bf16_llm: Any) -> dict[str, Any]:
     prompt = _ids(PROMPT_LEN, seed=11)
     out = _generate(bf16_llm, [prompt], 24, prompt_logprobs=-1, logprobs=-1)[0]
     gen = out.outputs[0]
-    return {"prompt": prompt, "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512),
-            "tokens": list(gen.token_ids), "gen_lp": logprob_matrix(gen.logprobs, 512)}
+    return {
+        "prompt": prompt,
+        "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512),
+        "tokens": list(gen.token_ids),
+        "gen_lp": logprob_matrix(gen.logprobs, 512),
+    }
 
 
 @pytest.fixture(scope="class")
 def reference(builds: dict[str, Path], long_run: dict[str, Any]) -> dict[str, torch.Tensor]:
     seq = long_run["prompt"] + long_run["tokens"]
-    return {"exact": SparkReference(builds["bf16"]).log_probs(seq),
-            "bf16": SparkReference(builds["bf16"], dtype=torch.bfloat16).log_probs(seq)}
+    return {
+        "exact": SparkReference(builds["bf16"]).log_probs(seq),
+        "bf16": SparkReference(builds["bf16"], dtype=torch.bfloat16).log_probs(seq),
+    }
 
 
 class TestBf16Engine:
@@ -487,8 +539,9 @@ class TestBf16Engine:
 
     pytestmark = pytest.mark.engine
 
-    def test_bf16_logprobs_match_the_reference(self, builds: dict[str, Path], long_run: dict[str, Any],
-                                               reference: dict[str, torch.Tensor]) -> None:
+    def test_bf16_logprobs_match_the_reference(
+        self, builds: dict[str, Path], long_run: dict[str, Any], reference: dict[str, torch.Tensor]
+    ) -> None:
         n = PROMPT_LEN
         exact = reference["exact"]
         # prompt log-probs: position i predicts token i + 1 (prefill, chunked by 256)
@@ -498,8 +551,10 @@ class TestBf16Engine:
         ref_prompt, ref_decode = exact[: n - 1], exact[n - 1 : n - 1 + vllm_decode.shape[0]]
         noise = _deviation(reference["bf16"][: n - 1], ref_prompt)
         prompt_dev, decode_dev = _deviation(vllm_prompt, ref_prompt), _deviation(vllm_decode, ref_decode)
-        print(f"\nmean/max |delta log-prob| (nat): vLLM prefill {prompt_dev[0]:.4f}/{prompt_dev[1]:.3f}, "
-              f"vLLM decode {decode_dev[0]:.4f}/{decode_dev[1]:.3f}; bf16 reference {noise[0]:.4f}/{noise[1]:.3f}")
+        print(
+            f"\nmean/max |delta log-prob| (nat): vLLM prefill {prompt_dev[0]:.4f}/{prompt_dev[1]:.3f}, "
+            f"vLLM decode {decode_dev[0]:.4f}/{decode_dev[1]:.3f}; bf16 reference {noise[0]:.4f}/{noise[1]:.3f}"
+        )
         for mean, worst in (prompt_dev, decode_dev):
             assert mean < BF16_MEAN_NAT and worst < BF16_MAX_NAT
         # greedy decoding picked the reference's top token wherever the reference is not a near tie
@@ -508,9 +563,9 @@ class TestBf16Engine:
         picked = torch.tensor(long_run["tokens"])
         assert torch.equal(picked[clear], top2.indices[clear, 0])
 
-    def test_the_comparison_would_catch_architecture_mistakes(self, builds: dict[str, Path],
-                                                              long_run: dict[str, Any],
-                                                              reference: dict[str, torch.Tensor]) -> None:
+    def test_the_comparison_would_catch_architecture_mistakes(
+        self, builds: dict[str, Path], long_run: dict[str, Any], reference: dict[str, torch.Tensor]
+    ) -> None:
         """Negative controls: references with one detail changed are much further from vLLM than the true
         one, over the positions the detail affects (float32 references on the first two windows)."""
         n = 2 * WINDOW
@@ -565,12 +620,17 @@ def _quantized_run(llm: Any) -> dict[str, Any]:
     prompt = _ids(700, seed=41)
     out = _generate(llm, [prompt], 16, prompt_logprobs=-1, logprobs=-1)[0]
     gen = out.outputs[0]
-    return {"prompt": prompt, "tokens": list(gen.token_ids),
-            "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512), "gen_lp": logprob_matrix(gen.logprobs, 512)}
+    return {
+        "prompt": prompt,
+        "tokens": list(gen.token_ids),
+        "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], 512),
+        "gen_lp": logprob_matrix(gen.logprobs, 512),
+    }
 
 
-def _compare_to_dequantized_reference(checkpoint: Path, run: dict[str, Any], mean_nat: float,
-                                     int8_decode: bool = False) -> None:
+def _compare_to_dequantized_reference(
+    checkpoint: Path, run: dict[str, Any], mean_nat: float, int8_decode: bool = False
+) -> None:
     """vLLM on a 4-bit checkpoint against the float64 reference on the same checkpoint's decoded weights:
     what is left is activation rounding (and, on W4A8, int8 activations), not the 4-bit grid.
     int8_decode: the engine's decode steps (positions from the prompt's length on) quantize activations to
@@ -585,18 +645,27 @@ def _compare_to_dequantized_reference(checkpoint: Path, run: dict[str, Any], mea
     decode = _deviation(run["gen_lp"], ref[decode_rows])
     int8_noise = 0.0
     if int8_decode:
-        int8_noise = _deviation(SparkReference(checkpoint, int8_rows_from=n).log_probs(tokens)[decode_rows],
-                                ref[decode_rows])[0]
-    print(f"\nmean/max |delta log-prob| against the decoded checkpoint: prefill {prefill[0]:.4f}/{prefill[1]:.3f}, "
-          f"decode {decode[0]:.4f}/{decode[1]:.3f}; int8 activations cost the reference {int8_noise:.4f} on decode")
+        int8_noise = _deviation(
+            SparkReference(checkpoint, int8_rows_from=n).log_probs(tokens)[decode_rows], ref[decode_rows]
+        )[0]
+    print(
+        f"\nmean/max |delta log-prob| against the decoded checkpoint: prefill {prefill[0]:.4f}/{prefill[1]:.3f}, "
+        f"decode {decode[0]:.4f}/{decode[1]:.3f}; int8 activations cost the reference {int8_noise:.4f} on decode"
+    )
     assert prefill[0] < mean_nat and decode[0] < mean_nat + int8_noise
 
 
 @pytest.fixture(scope="class")
-def w4a16_llm(builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def w4a16_llm(
+    builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
-        llm = _llm(builds["w4a16"], kv_bytes_for(tiny_shape, MAX_MODEL_LEN, 1, BATCHED_TOKENS), mp,
-                   tmp_path_factory.mktemp("vllm-cache-w4a16"))
+        llm = _llm(
+            builds["w4a16"],
+            kv_bytes_for(tiny_shape, MAX_MODEL_LEN, 1, BATCHED_TOKENS),
+            mp,
+            tmp_path_factory.mktemp("vllm-cache-w4a16"),
+        )
         yield llm
         _shutdown(llm)
 
@@ -620,11 +689,17 @@ class TestW4A16Engine:
 
 
 @pytest.fixture(scope="class")
-def w4a8_llm(builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def w4a8_llm(
+    builds: dict[str, Path], tiny_shape: ModelShape, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_INT4_W4A8", "1")
-        llm = _llm(builds["w4a8"], kv_bytes_for(tiny_shape, MAX_MODEL_LEN, 1, BATCHED_TOKENS), mp,
-                   tmp_path_factory.mktemp("vllm-cache-w4a8"))
+        llm = _llm(
+            builds["w4a8"],
+            kv_bytes_for(tiny_shape, MAX_MODEL_LEN, 1, BATCHED_TOKENS),
+            mp,
+            tmp_path_factory.mktemp("vllm-cache-w4a8"),
+        )
         yield llm
         _shutdown(llm)
 

@@ -19,8 +19,15 @@ from spark_edge.models import synth
 from spark_edge.models.command import SYNTH_PRESETS
 
 # published parameter counts (embedding counted once when tied)
-PARAMS = {"smollm2-1.7b": 1.71e9, "llama-3.2-1b": 1.24e9, "qwen2.5-1.5b": 1.54e9, "qwen3-1.7b": 1.72e9,
-          "gemma-3-1b": 1.0e9, "phi-3-mini": 3.82e9, "spark-x2.5-1.7b": 1.7e9}
+PARAMS = {
+    "smollm2-1.7b": 1.71e9,
+    "llama-3.2-1b": 1.24e9,
+    "qwen2.5-1.5b": 1.54e9,
+    "qwen3-1.7b": 1.72e9,
+    "gemma-3-1b": 1.0e9,
+    "phi-3-mini": 3.82e9,
+    "spark-x2.5-1.7b": 1.7e9,
+}
 
 
 def test_the_command_offers_every_preset() -> None:
@@ -36,7 +43,9 @@ def test_geometry_names_and_size_of_each_preset(name: str) -> None:
     names = {s.name for s in specs}
     assert len(names) == len(specs)
     last = f"model.layers.{preset.layers - 1}."
-    assert any(n.startswith(last) for n in names) and not any(n.startswith(f"model.layers.{preset.layers}.") for n in names)
+    assert any(n.startswith(last) for n in names) and not any(
+        n.startswith(f"model.layers.{preset.layers}.") for n in names
+    )
     assert ("lm_head.weight" in names) == (not preset.tied)
     assert any(n.endswith("q_proj.bias") for n in names) == preset.qkv_bias
     config = synth.hf_config(name, preset, 7, 1, 2)
@@ -45,7 +54,9 @@ def test_geometry_names_and_size_of_each_preset(name: str) -> None:
 
 
 def test_weights_are_deterministic_by_seed_and_name() -> None:
-    spec = synth.TensorSpec("model.layers.0.mlp.down_proj.weight", torch.bfloat16, (synth.BLOCK_ELEMENTS // 900 + 5, 900))
+    spec = synth.TensorSpec(
+        "model.layers.0.mlp.down_proj.weight", torch.bfloat16, (synth.BLOCK_ELEMENTS // 900 + 5, 900)
+    )
     a, b = synth.random_tensor(spec, 3), synth.random_tensor(spec, 3)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert not torch.equal(a, synth.random_tensor(spec, 4))
@@ -60,12 +71,21 @@ def test_a_1_7b_checkpoint_is_written_in_under_1_gib(tmp_path: Path) -> None:
     is not, since Linux carries the parent's high-water mark into it across vfork + exec (1545 MiB here
     inside the full run, where pytest itself had grown that large)."""
     out = tmp_path / "smollm2-1.7b"
-    code = ("import sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
-            "write_synthetic('smollm2-1.7b', Path(sys.argv[1]), 0); "
-            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
-    env = {key: os.environ[key] for key in ("PATH", "HOME", "PYTHONPATH", "SPARK_EDGE_HOME", "TMPDIR") if key in os.environ}
-    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=1200,
-                          env={**env, "HF_HUB_OFFLINE": "1"})
+    code = (
+        "import sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
+        "write_synthetic('smollm2-1.7b', Path(sys.argv[1]), 0); "
+        "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+    )
+    env = {
+        key: os.environ[key] for key in ("PATH", "HOME", "PYTHONPATH", "SPARK_EDGE_HOME", "TMPDIR") if key in os.environ
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     peak_mib = int(done.stdout.split()[-1]) / 1024
     assert peak_mib < 1024, peak_mib
@@ -95,8 +115,9 @@ def test_synth_names_the_presets_on_a_wrong_one(tmp_path: Path) -> None:
 def test_plan_sizes_each_preset_from_its_config(name: str, tmp_path: Path) -> None:
     """What synth is for: `spark-edge plan --model DIR` sizes a box for the model before its weights exist."""
     (tmp_path / "config.json").write_text(json.dumps(synth.hf_config(name, synth.PRESETS[name], 0, 1, 2)))
-    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path), "--weight-path", "w4a16",
-                                       "--memory-limit", str(8 << 30), "--json"])
+    result = CliRunner().invoke(
+        main, ["plan", "--model", str(tmp_path), "--weight-path", "w4a16", "--memory-limit", str(8 << 30), "--json"]
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     params = sum(math.prod(s.shape) for s in synth.tensor_specs(synth.PRESETS[name]))
@@ -116,7 +137,10 @@ def test_the_writer_takes_a_tensor_a_block_of_rows_at_a_time(tmp_path: Path) -> 
     write_safetensors(tmp_path, [spec], [("w", RowChunks(spec.dtype, spec.shape, iter([whole[:2], whole[2:]])))])
     assert torch.equal(load_file(tmp_path / "model.safetensors")["w"], whole)
     (tmp_path / "bad").mkdir()
-    for blocks, message in (([whole[:2]], "hold 2 rows"), ([whole[:, :2]], "does not fit"),
-                            ([whole, whole[:1]], "hold 6 rows")):
+    for blocks, message in (
+        ([whole[:2]], "hold 2 rows"),
+        ([whole[:, :2]], "does not fit"),
+        ([whole, whole[:1]], "hold 6 rows"),
+    ):
         with pytest.raises(ValueError, match=message):
             write_safetensors(tmp_path / "bad", [spec], [("w", RowChunks(spec.dtype, spec.shape, iter(blocks)))])

@@ -19,22 +19,26 @@ from spark_edge.serving.process_layout import layout_env
 DECIDED = layout_env("engine")
 
 
-@pytest.mark.parametrize("args, names", [
-    (("--max-model-len", "4096"), ("--max-model-len", "spark-edge serve --max-model-len")),
-    (("--max_num_seqs=8",), ("--max-num-seqs", "spark-edge serve --max-num-seqs")),  # vLLM's underscores
-    (("--max-num-batched-tokens", "8192"), ("--max-num-batched-tokens", "--memory-limit")),
-    (("--kv-cache-memory-bytes", "1000000"), ("--kv-cache-memory-bytes", "--memory-limit")),
-    (("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "bf16 KV cache")),
-    (("-q", "awq"), ("--quantization", "--weight-path")),
-    (("--dtype", "bfloat16"), ("--dtype", "--weight-path")),  # even the value spark-edge would pass
-    (("--port", "9000"), ("--port", "spark-edge serve --port")),
-    (("--api-key", "k"), ("--api-key", "--api-key-file")),
-    (("-tp", "2"), ("--tensor-parallel-size", "one engine")),
-    (("some/model",), ("a positional model", "spark-edge serve --model")),
-    (("--model", "some/model"), ("--model", "spark-edge serve --model")),
-])
-def test_what_spark_edge_decides_is_refused_naming_the_option_to_use(args: tuple[str, ...],
-                                                                     names: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (("--max-model-len", "4096"), ("--max-model-len", "spark-edge serve --max-model-len")),
+        (("--max_num_seqs=8",), ("--max-num-seqs", "spark-edge serve --max-num-seqs")),  # vLLM's underscores
+        (("--max-num-batched-tokens", "8192"), ("--max-num-batched-tokens", "--memory-limit")),
+        (("--kv-cache-memory-bytes", "1000000"), ("--kv-cache-memory-bytes", "--memory-limit")),
+        (("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "bf16 KV cache")),
+        (("-q", "awq"), ("--quantization", "--weight-path")),
+        (("--dtype", "bfloat16"), ("--dtype", "--weight-path")),  # even the value spark-edge would pass
+        (("--port", "9000"), ("--port", "spark-edge serve --port")),
+        (("--api-key", "k"), ("--api-key", "--api-key-file")),
+        (("-tp", "2"), ("--tensor-parallel-size", "one engine")),
+        (("some/model",), ("a positional model", "spark-edge serve --model")),
+        (("--model", "some/model"), ("--model", "spark-edge serve --model")),
+    ],
+)
+def test_what_spark_edge_decides_is_refused_naming_the_option_to_use(
+    args: tuple[str, ...], names: tuple[str, ...]
+) -> None:
     with pytest.raises(click.UsageError) as refused:
         check_pass_through(args, {}, DECIDED)
     for name in names:
@@ -47,9 +51,21 @@ def test_an_unknown_option_gets_vllms_own_message() -> None:
 
 
 def test_the_rest_goes_through(tmp_path: Path) -> None:
-    check_pass_through(("--served-model-name", "a", "b", "--enable-prefix-caching", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes", "--structured-outputs-config.backend", "xgrammar"),
-                       {}, DECIDED)
+    check_pass_through(
+        (
+            "--served-model-name",
+            "a",
+            "b",
+            "--enable-prefix-caching",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--structured-outputs-config.backend",
+            "xgrammar",
+        ),
+        {},
+        DECIDED,
+    )
 
 
 def test_the_environment_may_not_overrule_the_plan_or_the_layout() -> None:
@@ -63,16 +79,25 @@ def test_the_environment_may_not_overrule_the_plan_or_the_layout() -> None:
 def test_the_variable_comes_first_as_shell_words() -> None:
     env = {"SPARK_EDGE_VLLM_ARGS": "--chat-template '{{ messages }} x' --enable-prefix-caching"}
     assert vllm_args_from(env, ("--served-model-name", "m")) == (
-        "--chat-template", "{{ messages }} x", "--enable-prefix-caching", "--served-model-name", "m")
+        "--chat-template",
+        "{{ messages }} x",
+        "--enable-prefix-caching",
+        "--served-model-name",
+        "m",
+    )
     with pytest.raises(click.UsageError, match="SPARK_EDGE_VLLM_ARGS"):
         vllm_args_from({"SPARK_EDGE_VLLM_ARGS": "--chat-template 'unclosed"}, ())
 
 
 def test_the_start_log_line_names_vllm_variables_but_never_a_key() -> None:
-    line = describe(("--served-model-name", "m"), {"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_API_KEY": "secret",
-                                                    "VLLM_CACHE_ROOT": "/x", "PATH": "/bin"}, {"VLLM_CACHE_ROOT"})
-    assert line == ("vLLM options passed through: --served-model-name m | "
-                    "vLLM environment passed through: VLLM_LOGGING_LEVEL=DEBUG")
+    line = describe(
+        ("--served-model-name", "m"),
+        {"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_API_KEY": "secret", "VLLM_CACHE_ROOT": "/x", "PATH": "/bin"},
+        {"VLLM_CACHE_ROOT"},
+    )
+    assert line == (
+        "vLLM options passed through: --served-model-name m | vLLM environment passed through: VLLM_LOGGING_LEVEL=DEBUG"
+    )
     assert describe((), {}, set()) is None
 
 
@@ -87,8 +112,13 @@ def test_tls_files_are_checked_before_loading(tmp_path: Path) -> None:
 
 def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPARK_EDGE_HOME": str(tmp_path / "home")}
-    return subprocess.run([sys.executable, "-m", "spark_edge.cli", "serve", "--weight-path", "bf16", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "spark_edge.cli", "serve", "--weight-path", "bf16", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_serve_refuses_before_building_anything(tmp_path: Path) -> None:

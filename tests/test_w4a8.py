@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import single_process_tp_group
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.hf_source import HFSource
+from spark_edge.errors import CheckpointError
 from spark_edge.quant import gptq_layout as gl
 from spark_edge.quant import int4_sym as s4
 from spark_edge.weight_paths import NAMES, writers
 from spark_edge.weight_paths.w4a8 import REPORT_NAME, quantization_config, write_w4a8
+
+from conftest import single_process_tp_group
 
 AMX = torch.cpu._is_amx_tile_supported()
 NO_AMX_REASON = (
@@ -165,7 +167,9 @@ def test_pack_unpack_round_trip_both_axes() -> None:
     values[:8, 0] = 15  # top nibble set: the int32 word is negative
     assert torch.equal(gl.unpack_along_dim0(gl.pack_along_dim0(values)), values)
     assert torch.equal(gl.unpack_along_dim1(gl.pack_along_dim1(values)), values)
-    assert int(gl.pack_along_dim0(values)[0, 0]) == _int32(0xFFFFFFFF & sum(int(values[i, 0]) << 4 * i for i in range(8)))
+    assert int(gl.pack_along_dim0(values)[0, 0]) == _int32(
+        0xFFFFFFFF & sum(int(values[i, 0]) << 4 * i for i in range(8))
+    )
 
 
 def test_gptq_tensors_layout() -> None:
@@ -263,7 +267,9 @@ def _fuse(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 [t, tensors[name.replace(".q_proj.", ".k_proj.")], tensors[name.replace(".q_proj.", ".v_proj.")]]
             )
         elif ".gate_proj." in name:
-            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t, tensors[name.replace(".gate_proj.", ".up_proj.")]])
+            out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat(
+                [t, tensors[name.replace(".gate_proj.", ".up_proj.")]]
+            )
         else:
             out[name] = t
     return out
@@ -328,7 +334,9 @@ def test_every_linear_and_the_head_quantized_rest_bf16(tiny_tied: dict[str, Any]
 
 def test_untied_head_is_quantized_from_the_tied_table(tiny_tied: dict[str, Any]) -> None:
     t = tiny_tied["tensors"]
-    head = gl.GPTQWeight(t["lm_head.qweight"], t["lm_head.qzeros"], t["lm_head.scales"], t["lm_head.g_idx"], 64, math.nan)
+    head = gl.GPTQWeight(
+        t["lm_head.qweight"], t["lm_head.qzeros"], t["lm_head.scales"], t["lm_head.g_idx"], 64, math.nan
+    )
     assert head.shape == (VOCAB, HIDDEN)
     table = tiny_tied["source"]["model.embed_tokens.weight"].float()
     assert s4.snr_db(table, gl.dequantize_weight(head)) > 17.0
@@ -341,7 +349,9 @@ def test_untied_source_keeps_its_own_head(tmp_path: Path) -> None:
     out.mkdir()
     write_w4a8(HFSource(src), out, {"group_size": 32, "search": True})
     t = _read(out)
-    head = gl.GPTQWeight(t["lm_head.qweight"], t["lm_head.qzeros"], t["lm_head.scales"], t["lm_head.g_idx"], 32, math.nan)
+    head = gl.GPTQWeight(
+        t["lm_head.qweight"], t["lm_head.qzeros"], t["lm_head.scales"], t["lm_head.g_idx"], 32, math.nan
+    )
     deq = gl.dequantize_weight(head)
     assert s4.snr_db(source["lm_head.weight"].float(), deq) > 17.0
     assert s4.snr_db(source["model.embed_tokens.weight"].float(), deq) < 1.0  # not the table
@@ -371,15 +381,16 @@ def test_fused_source_is_written_fused_where_vllm_loads_it_fused(tmp_path: Path,
     """Phi-3 stores the Llama block with qkv and gate/up fused, and vLLM's Phi-3 loads only the fused names: the
     GPTQ tensors stay fused, and are the unfused source's concatenated along N (dim 1; qzeros packs 8 channels a
     word and every part holds whole words), so vLLM's loader splits them back into the same weights."""
-    phi3 = {**_tiny_config(tied=True), "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-            "pad_token_id": 0}
+    phi3 = {**_tiny_config(tied=True), "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "pad_token_id": 0}
     src = _make_hf(tmp_path / "src", _fuse(tiny_tied["source"]), phi3)
     out = tmp_path / "out"
     out.mkdir()
     write_w4a8(HFSource(src), out, {})
     fused, plain = _read(out), tiny_tied["tensors"]
-    parts = {".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
-             ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj.")}
+    parts = {
+        ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+        ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
+    }
     unfused = {name for name in plain if any(p in name for group in parts.values() for p in group)}
     assert set(plain) - unfused == {n for n in fused if not any(f in n for f in parts)}
     for name, t in fused.items():
@@ -410,19 +421,36 @@ def test_group_size_params(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda t, c: t.__setitem__("model.layers.0.self_attn.k_proj.weight", t["model.layers.0.self_attn.k_proj.weight"][:48]),
-         "multiples of 32"),
-        (lambda t, c: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(64, 64)),
-         "model.layers.0.mlp.extra.weight .* is not a Linear weight of a decoder block"),
-        (lambda t, c: (t.__setitem__("model.embed_tokens.weight", t["model.embed_tokens.weight"][:224]),
-                       c.__setitem__("vocab_size", 224)), "not a multiple of 64"),
+        (
+            lambda t, c: t.__setitem__(
+                "model.layers.0.self_attn.k_proj.weight", t["model.layers.0.self_attn.k_proj.weight"][:48]
+            ),
+            "multiples of 32",
+        ),
+        (
+            lambda t, c: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(64, 64)),
+            "model.layers.0.mlp.extra.weight .* is not a Linear weight of a decoder block",
+        ),
+        (
+            lambda t, c: (
+                t.__setitem__("model.embed_tokens.weight", t["model.embed_tokens.weight"][:224]),
+                c.__setitem__("vocab_size", 224),
+            ),
+            "not a multiple of 64",
+        ),
         (lambda t, c: c.__setitem__("architectures", ["MadeUpForCausalLM"]), "does not serve the architecture MadeUp"),
         # served by vLLM, but through its generic Transformers backend
-        (lambda t, c: c.__setitem__("architectures", ["SmolLM3ForCausalLM"]) or c.__setitem__("model_type", "smollm3"),
-         "only through its generic Transformers backend"),
+        (
+            lambda t, c: (
+                c.__setitem__("architectures", ["SmolLM3ForCausalLM"]) or c.__setitem__("model_type", "smollm3")
+            ),
+            "only through its generic Transformers backend",
+        ),
         # served by vLLM, but GPT-2's blocks hold Conv1D modules, not Linear ones
-        (lambda t, c: c.__setitem__("architectures", ["GPT2LMHeadModel"]) or c.__setitem__("model_type", "gpt2"),
-         "GPT2LMHeadModel: found no Linear modules"),
+        (
+            lambda t, c: c.__setitem__("architectures", ["GPT2LMHeadModel"]) or c.__setitem__("model_type", "gpt2"),
+            "GPT2LMHeadModel: found no Linear modules",
+        ),
     ],
     ids=["kernel-shape", "unknown-tensor", "vocab-padding", "architecture", "transformers-backend", "no-linears"],
 )
@@ -437,7 +465,6 @@ def test_unsupported_sources_are_refused(tmp_path: Path, change: Any, match: str
 
 
 # ----------------------------------------------------------------------------- vLLM
-
 
 
 @pytest.fixture(scope="module")
@@ -460,14 +487,35 @@ def _vllm_layers(group_size: int) -> dict[str, torch.nn.Module]:
     cfg = _gptq_config(group_size)
     bf16 = torch.bfloat16
     return {
-        "qkv_proj": QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False, quant_config=cfg,
-                                      params_dtype=bf16, prefix="model.layers.0.self_attn.qkv_proj"),
-        "o_proj": RowParallelLinear(HEADS * HEAD_DIM, HIDDEN, bias=False, quant_config=cfg, params_dtype=bf16,
-                                    prefix="model.layers.0.self_attn.o_proj"),
-        "gate_up_proj": MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, quant_config=cfg,
-                                                   params_dtype=bf16, prefix="model.layers.0.mlp.gate_up_proj"),
-        "down_proj": RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=cfg, params_dtype=bf16,
-                                       prefix="model.layers.0.mlp.down_proj"),
+        "qkv_proj": QKVParallelLinear(
+            HIDDEN,
+            HEAD_DIM,
+            HEADS,
+            KV_HEADS,
+            bias=False,
+            quant_config=cfg,
+            params_dtype=bf16,
+            prefix="model.layers.0.self_attn.qkv_proj",
+        ),
+        "o_proj": RowParallelLinear(
+            HEADS * HEAD_DIM,
+            HIDDEN,
+            bias=False,
+            quant_config=cfg,
+            params_dtype=bf16,
+            prefix="model.layers.0.self_attn.o_proj",
+        ),
+        "gate_up_proj": MergedColumnParallelLinear(
+            HIDDEN,
+            [INTER, INTER],
+            bias=False,
+            quant_config=cfg,
+            params_dtype=bf16,
+            prefix="model.layers.0.mlp.gate_up_proj",
+        ),
+        "down_proj": RowParallelLinear(
+            INTER, HIDDEN, bias=False, quant_config=cfg, params_dtype=bf16, prefix="model.layers.0.mlp.down_proj"
+        ),
         "lm_head": ParallelLMHead(VOCAB, HIDDEN, quant_config=cfg, params_dtype=bf16, prefix="lm_head"),
     }
 
@@ -505,8 +553,14 @@ def _reference(tensors: dict[str, torch.Tensor], modules: list[str], group_size:
     """fp32 [N, K] of the written checkpoint, decoded as a GPTQ v1 reader does, modules stacked along N."""
     parts = []
     for m in modules:
-        q = gl.GPTQWeight(tensors[f"{m}.qweight"], tensors[f"{m}.qzeros"], tensors[f"{m}.scales"],
-                          tensors[f"{m}.g_idx"], group_size, math.nan)
+        q = gl.GPTQWeight(
+            tensors[f"{m}.qweight"],
+            tensors[f"{m}.qzeros"],
+            tensors[f"{m}.scales"],
+            tensors[f"{m}.g_idx"],
+            group_size,
+            math.nan,
+        )
         parts.append(gl.dequantize_weight(q))
     return torch.cat(parts)
 
@@ -552,7 +606,11 @@ def _run_vllm(
 
 
 _MODULES = {
-    "qkv_proj": ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"],
+    "qkv_proj": [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    ],
     "o_proj": ["model.layers.0.self_attn.o_proj"],
     "gate_up_proj": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
     "down_proj": ["model.layers.0.mlp.down_proj"],
@@ -568,7 +626,7 @@ def _source_weight(source: dict[str, torch.Tensor], modules: list[str]) -> torch
 
 def _check_against_reference(tiny: dict[str, Any], results: dict[str, Any], min_db: float) -> None:
     tensors = tiny["tensors"]
-    for name, (layer, inp, out) in results.items():
+    for name, (_layer, inp, out) in results.items():
         ref = inp.float() @ _reference(tensors, _MODULES[name], 64).t()
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape, name
         assert s4.snr_db(ref, out.float()) > min_db, name
@@ -579,7 +637,9 @@ def _check_against_reference(tiny: dict[str, Any], results: dict[str, Any], min_
 
 
 @pytest.mark.skipif(not AMX, reason=NO_AMX_REASON)
-def test_amx_w4a8_kernel_runs_the_export(vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_amx_w4a8_kernel_runs_the_export(
+    vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     tensors = tiny_tied["tensors"]
     assert any(bool((tensors[f"{m}.scales"] < 0).any()) for m in _SHARDS)  # negative scales are exercised
     results = _run_vllm(tensors, monkeypatch, w4a8=True, amx=True)
@@ -593,8 +653,11 @@ def test_amx_w4a8_kernel_runs_the_export(vllm_tp1: None, tiny_tied: dict[str, An
     assert s4.snr_db(inp.float() @ (off - scales).t(), out.float()) < 15.0
 
 
-@pytest.mark.parametrize("amx", [pytest.param(True, marks=pytest.mark.skipif(not AMX, reason=NO_AMX_REASON)), False],
-                         ids=["isa-amx", "isa-vec"])
+@pytest.mark.parametrize(
+    "amx",
+    [pytest.param(True, marks=pytest.mark.skipif(not AMX, reason=NO_AMX_REASON)), False],
+    ids=["isa-amx", "isa-vec"],
+)
 def test_w4a16_fallback_kernel_runs_the_export(
     vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
@@ -606,6 +669,8 @@ def test_w4a16_fallback_kernel_runs_the_export(
     _check_against_reference(tiny_tied, results, min_db=40.0)  # bf16 activations: only output rounding
 
 
-def test_without_amx_vllm_never_picks_w4a8(vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_amx_vllm_never_picks_w4a8(
+    vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     results = _run_vllm(tiny_tied["tensors"], monkeypatch, w4a8=True, amx=False)
     assert not any(layer.use_w4a8 for layer, _, _ in results.values())

@@ -25,7 +25,7 @@ def needed(path: Path) -> list[str]:
     data = path.read_bytes()
     if data[:4] != _MAGIC or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     for _, sh_type, _, _, offset, size, link, _, _, entsize in sections:
@@ -39,7 +39,7 @@ def needed(path: Path) -> list[str]:
                 break
             if tag == _DT_NEEDED:
                 end = data.index(b"\0", strtab + value)
-                names.append(data[strtab + value:end].decode())
+                names.append(data[strtab + value : end].decode())
         return names
     return []
 

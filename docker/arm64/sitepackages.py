@@ -34,9 +34,8 @@ import tempfile
 from compileall import compile_dir
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
-
 from elf_needed import closure, is_elf
+from packaging.utils import canonicalize_name
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -70,8 +69,23 @@ def up_to_date(folder: Path, stamp: str) -> bool:
 
 
 def pip_target(target: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "-q", "--no-compile",
-                    "--no-index", "--no-deps", "--target", str(target), *args], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "install",
+            "-q",
+            "--no-compile",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(target),
+            *args,
+        ],
+        check=True,
+    )
 
 
 def finish(target: Path, stamp: str) -> None:
@@ -79,8 +93,7 @@ def finish(target: Path, stamp: str) -> None:
     shutil.rmtree(target / "bin", ignore_errors=True)
     for direct_url in target.glob("*.dist-info/direct_url.json"):  # a temporary path on this host
         direct_url.unlink()
-    ok = compile_dir(str(target), quiet=2, workers=0,
-                     invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    ok = compile_dir(str(target), quiet=2, workers=0, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
     if not ok:
         log("some files did not compile (test data and templates in packages); they import from source")
     subprocess.run(["chmod", "-R", "a+rX", str(target)], check=True)
@@ -99,8 +112,7 @@ def nvidia_unused(target: Path) -> list[Path]:
 
 def install_deps(wheelhouse: Path, target: Path) -> None:
     lock = wheelhouse / "requirements.lock"
-    pins = [line for line in lock.read_text().split()
-            if canonicalize_name(line.split("==")[0]) not in LEFT_OUT]
+    pins = [line for line in lock.read_text().split() if canonicalize_name(line.split("==")[0]) not in LEFT_OUT]
     stamp = stamp_of(lock.read_bytes(), *(p.read_bytes() for p in CODE))
     if up_to_date(target, stamp):
         log(f"{target} is up to date")
@@ -120,8 +132,11 @@ def install_deps(wheelhouse: Path, target: Path) -> None:
 
 
 def install_project(target: Path) -> None:
-    sources = sorted(p for p in (REPO / "src").rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                     and ".egg-info" not in str(p))
+    sources = sorted(
+        p
+        for p in (REPO / "src").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p)
+    )
     inputs = [REPO / "pyproject.toml", REPO / "README.md", *sources]
     stamp = stamp_of(*(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes() for p in inputs))
     if up_to_date(target, stamp):

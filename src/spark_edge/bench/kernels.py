@@ -18,8 +18,8 @@ table naming the host (docs/int4-kernels.md is this table, regenerated with `spa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -34,8 +34,13 @@ def model_shapes(config: dict) -> list[tuple[str, int, int]]:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads", heads)
-    return [("qkv_proj", (heads + 2 * kv) * head_dim, hidden), ("o_proj", hidden, heads * head_dim),
-            ("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter), ("lm_head", config["vocab_size"], hidden)]
+    return [
+        ("qkv_proj", (heads + 2 * kv) * head_dim, hidden),
+        ("o_proj", hidden, heads * head_dim),
+        ("gate_up_proj", 2 * inter, hidden),
+        ("down_proj", hidden, inter),
+        ("lm_head", config["vocab_size"], hidden),
+    ]
 
 
 def vllm_wna16_available() -> bool:
@@ -49,8 +54,9 @@ def vllm_wna16_available() -> bool:
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
-def vllm_wna16(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-               group: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def vllm_wna16(
+    codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor, group: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x -> x @ ((codes - zero_points) * scale)^T through vLLM's `cpu_gemm_wna16`, with the weights laid out as
     vLLM's CPUWNA16LinearKernel lays them out (16-channel blocks, 8 codes per int32 along N). codes and
     zero_points uint8 [N, K] / [N, K / group], scale bf16 [N, K / group]. None where vLLM cannot take the
@@ -70,20 +76,27 @@ def vllm_wna16(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tens
     zeros = pack_quantized_values_into_int32(zero_points.t().to(torch.int32), scalar_types.uint4, 1).contiguous()
     scales = scale.t().contiguous()  # [K / group, N]
     isa = _get_isa_hint(scales.dtype)
-    return lambda x: vllm_ops.cpu_gemm_wna16(input=x, q_weight=weight, scales=scales, zeros=zeros, bias=None,
-                                             pack_factor=8, isa_hint=isa)
+    return lambda x: vllm_ops.cpu_gemm_wna16(
+        input=x, q_weight=weight, scales=scales, zeros=zeros, bias=None, pack_factor=8, isa_hint=isa
+    )
 
 
-def vllm_w4a8(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor,
-              group: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def vllm_w4a8(
+    codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor, group: int
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x -> the product through vLLM's AMX W4A8 kernel `int4_scaled_mm_cpu` (activations quantized to int8 per
     row inside it: what the w4a8 weight path runs), with the weights repacked as vLLM's CPUWNA16LinearKernel
     repacks them for it (AWQ nibble order along N, then `convert_weight_packed_scale_zp`'s AMX blocks). The same
     arguments as vllm_wna16. None where the host has no AMX, vLLM's ops lack the kernel, or N or K is not a
     multiple of 32."""
     n, k = codes.shape
-    if n % 32 or k % 32 or not torch.cpu._is_amx_tile_supported() or not vllm_wna16_available() \
-            or not hasattr(torch.ops._C, "int4_scaled_mm_cpu"):
+    if (
+        n % 32
+        or k % 32
+        or not torch.cpu._is_amx_tile_supported()
+        or not vllm_wna16_available()
+        or not hasattr(torch.ops._C, "int4_scaled_mm_cpu")
+    ):
         return None
     from vllm import _custom_ops as vllm_ops
     from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
@@ -95,7 +108,8 @@ def vllm_w4a8(codes: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tenso
         return pack_quantized_values_into_int32(order, scalar_types.uint4, 1).contiguous()
 
     weight, zeros, scales = vllm_ops.convert_weight_packed_scale_zp(
-        awq_packed(codes.t()), awq_packed(zero_points.t()), scale.t().contiguous(), vllm_ops.CPUQuantAlgo.AWQ)
+        awq_packed(codes.t()), awq_packed(zero_points.t()), scale.t().contiguous(), vllm_ops.CPUQuantAlgo.AWQ
+    )
     return lambda x: vllm_ops.int4_scaled_mm_cpu(x=x, w=weight, w_zeros=zeros, w_scales=scales, bias=None)
 
 
@@ -122,19 +136,25 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
     for name, n, k in shapes:
         gen = torch.Generator().manual_seed(0)
         buf = tl.pack_for_kernel(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
-        sz = tl.scales_and_zeros((torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
-                                 (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16))
+        sz = tl.scales_and_zeros(
+            (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+            (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+        )
         weight_t = ops.int4_dequant_t(buf, sz, group)
-        vllm_weights = (torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
-                        (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
-                        torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen), group)
+        vllm_weights = (
+            torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+            (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+            torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen),
+            group,
+        )
         wna16, w4a8 = vllm_wna16(*vllm_weights), vllm_w4a8(*vllm_weights)
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             kernels = {
                 "native": lambda: ops.int4_gemm(x, buf, sz, group),
-                "tinygemm_rows": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x[i:i + 1], buf, group, sz)
-                                          for i in range(m)],
+                "tinygemm_rows": lambda: [
+                    torch.ops.aten._weight_int4pack_mm_for_cpu(x[i : i + 1], buf, group, sz) for i in range(m)
+                ],
                 "dequant_mm": lambda: torch.mm(x, ops.int4_dequant_t(buf, sz, group)),
                 "bf16_mm": lambda: torch.mm(x, weight_t),
             }
@@ -157,7 +177,9 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
             for _ in range(ROUNDS):
                 for key, fn in kernels.items():
                     best[key] = min(best[key], _time(fn, budget))
-            results.append({"layer": name, "n": n, "k": k, "rows": m, **{f"{k_}_ms": v * 1e3 for k_, v in best.items()}})
+            results.append(
+                {"layer": name, "n": n, "k": k, "rows": m, **{f"{k_}_ms": v * 1e3 for k_, v in best.items()}}
+            )
     return results
 
 
@@ -169,9 +191,18 @@ def host_line() -> str:
 
 # The table's columns in order (key in the results: key + "_ms"); a column no row has is left out (bf16 tiles
 # where the build has no AVX512-BF16, AMX tiles and vLLM's W4A8 without AMX).
-COLUMNS = (("native", "native"), ("q8_pairs", "q8 pairs"), ("q8_quads", "q8 quads"), ("tiles", "bf16 tiles"),
-           ("amx", "AMX tiles"), ("tinygemm_rows", "tinygemm rows"), ("dequant_mm", "dequant + mm"),
-           ("vllm_wna16", "vLLM wna16"), ("vllm_w4a8", "vLLM w4a8"), ("bf16_mm", "bf16 mm"))
+COLUMNS = (
+    ("native", "native"),
+    ("q8_pairs", "q8 pairs"),
+    ("q8_quads", "q8 quads"),
+    ("tiles", "bf16 tiles"),
+    ("amx", "AMX tiles"),
+    ("tinygemm_rows", "tinygemm rows"),
+    ("dequant_mm", "dequant + mm"),
+    ("vllm_wna16", "vLLM wna16"),
+    ("vllm_w4a8", "vLLM w4a8"),
+    ("bf16_mm", "bf16 mm"),
+)
 OTHERS = ("tinygemm_rows", "dequant_mm", "vllm_wna16", "vllm_w4a8", "bf16_mm")  # not spark-edge's kernels
 
 
@@ -180,16 +211,23 @@ def format_markdown(results: list[dict], model: str, group: int) -> str:
 
     default = {code: form for form, code in ni.Q8_FORMS.items()}.get(torch.ops.spark_edge.int4_q8_default_form())
     columns = [(key, title) for key, title in COLUMNS if any(f"{key}_ms" in r for r in results)]
-    lines = [f"Model: {model}, group {group}. Host: {host_line()}. int4_linear's q8 form here: {default}.", "",
-             "| layer | N x K | rows | " + " | ".join(f"{title} ms" for _, title in columns)
-             + " | spark-edge's best vs best other |",
-             "|---|---|---:|" + "---:|" * (len(columns) + 1)]
+    lines = [
+        f"Model: {model}, group {group}. Host: {host_line()}. int4_linear's q8 form here: {default}.",
+        "",
+        "| layer | N x K | rows | "
+        + " | ".join(f"{title} ms" for _, title in columns)
+        + " | spark-edge's best vs best other |",
+        "|---|---|---:|" + "---:|" * (len(columns) + 1),
+    ]
     for r in results:
         others = [r[f"{key}_ms"] for key in OTHERS if f"{key}_ms" in r]
         ours = min(r[f"{key}_ms"] for key, _ in COLUMNS if key not in OTHERS and f"{key}_ms" in r)
         cells = [f"{r[f'{key}_ms']:.3f}" if f"{key}_ms" in r else "-" for key, _ in columns]
-        lines.append(f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | " + " | ".join(cells)
-                     + f" | {min(others) / ours:.2f}x |")
+        lines.append(
+            f"| {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | "
+            + " | ".join(cells)
+            + f" | {min(others) / ours:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -16,8 +16,8 @@ import json
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,11 +27,13 @@ from spark_edge.bench.streams import percentile
 MiB = 1 << 20
 SLOPE_WINDOW_S = 1200  # a soak's last 20 minutes: allocator arenas and caches have settled by then
 # Common English words: prompts that tokenize to about one token per word.
-_WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
-          "word but not what all were we when your can said there use an each which she do how their if will up "
-          "other about out many then them these so some her would make like him into time has look two more write "
-          "go see number no way could people my than first water been call who oil its now find long down day did "
-          "get come made may part").split()
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part"
+).split()
 
 
 @dataclass
@@ -70,8 +72,7 @@ class LoadReport:
     @property
     def under_plan(self) -> bool:
         """Anonymous RSS stayed within the plan: its steady figure during load, its peak over the life."""
-        return (self.rss_anon_max_bytes <= self.plan_steady_bytes
-                and self.rss_anon_peak_bytes <= self.plan_peak_bytes)
+        return self.rss_anon_max_bytes <= self.plan_steady_bytes and self.rss_anon_peak_bytes <= self.plan_peak_bytes
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -96,11 +97,13 @@ def stream_one(url: str, headers: dict[str, str], body: dict, timeout_s: float) 
     start = time.perf_counter()
     ttft, tokens, done = None, 0, False
     try:
-        with requests.post(f"{url}/v1/completions", json=body, headers=headers, stream=True,
-                           timeout=timeout_s) as reply:
+        with requests.post(
+            f"{url}/v1/completions", json=body, headers=headers, stream=True, timeout=timeout_s
+        ) as reply:
             if reply.status_code != 200:
-                return RequestResult(None, 0, time.perf_counter() - start,
-                                     f"HTTP {reply.status_code}: {reply.text[:200]}")
+                return RequestResult(
+                    None, 0, time.perf_counter() - start, f"HTTP {reply.status_code}: {reply.text[:200]}"
+                )
             for line in reply.iter_lines():
                 if not line.startswith(b"data: "):
                     continue
@@ -120,8 +123,12 @@ def stream_one(url: str, headers: dict[str, str], body: dict, timeout_s: float) 
         return RequestResult(ttft, tokens, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - start
     if not done or tokens != body["max_tokens"]:
-        return RequestResult(ttft, tokens, seconds, f"stream ended early: {tokens}/{body['max_tokens']} tokens, "
-                                                    f"[DONE] {'seen' if done else 'missing'}")
+        return RequestResult(
+            ttft,
+            tokens,
+            seconds,
+            f"stream ended early: {tokens}/{body['max_tokens']} tokens, [DONE] {'seen' if done else 'missing'}",
+        )
     return RequestResult(ttft, tokens, seconds)
 
 
@@ -147,7 +154,7 @@ class _RssWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-watch", daemon=True)
 
-    def __enter__(self) -> "_RssWatch":
+    def __enter__(self) -> _RssWatch:
         self._thread.start()
         return self
 
@@ -167,9 +174,17 @@ class _RssWatch:
                 return
 
 
-def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, prompt_words: int = 128,
-             api_key: str | None = None, seed: int = 0, request_timeout_s: float = 300,
-             log: Callable[[str], None] = lambda msg: None) -> LoadReport:
+def run_load(
+    url: str,
+    clients: int,
+    duration_s: float,
+    max_tokens: int = 64,
+    prompt_words: int = 128,
+    api_key: str | None = None,
+    seed: int = 0,
+    request_timeout_s: float = 300,
+    log: Callable[[str], None] = lambda msg: None,
+) -> LoadReport:
     """Run the load against a ready server at `url` and report it (errors are counted, not raised)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = served_model(url, headers)
@@ -180,14 +195,23 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
         rng = random.Random(seed * 1000 + index)
         while time.monotonic() < deadline:
             prompt = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.8,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             result = stream_one(url, headers, body, request_timeout_s)
             with lock:
                 results.append(result)
 
-    log(f"load: {clients} streaming clients for {duration_s:.0f} s against {url} ({model}), "
-        f"{prompt_words}-word prompts, {max_tokens} tokens each")
+    log(
+        f"load: {clients} streaming clients for {duration_s:.0f} s against {url} ({model}), "
+        f"{prompt_words}-word prompts, {max_tokens} tokens each"
+    )
     with _RssWatch(url) as watch:
         start = time.monotonic()
         threads = [threading.Thread(target=client, args=(i, start + duration_s), daemon=True) for i in range(clients)]
@@ -201,11 +225,21 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
     errors = [r.error for r in results if r.error is not None] + watch.errors
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     slope, covered = rss_slope(watch.series)
-    stream_rates = [(r.tokens - 1) / (r.seconds - r.ttft_s) for r in ok
-                    if r.ttft_s is not None and r.tokens > 1 and r.seconds > r.ttft_s]
+    stream_rates = [
+        (r.tokens - 1) / (r.seconds - r.ttft_s)
+        for r in ok
+        if r.ttft_s is not None and r.tokens > 1 and r.seconds > r.ttft_s
+    ]
     return LoadReport(
-        url=url, clients=clients, duration_s=duration_s, wall_s=wall, max_tokens=max_tokens,
-        prompt_words=prompt_words, requests=len(results), errors=errors, tokens=sum(r.tokens for r in results),
+        url=url,
+        clients=clients,
+        duration_s=duration_s,
+        wall_s=wall,
+        max_tokens=max_tokens,
+        prompt_words=prompt_words,
+        requests=len(results),
+        errors=errors,
+        tokens=sum(r.tokens for r in results),
         ttft_p50_s=percentile(ttfts, 0.5) if ttfts else 0.0,
         ttft_p95_s=percentile(ttfts, 0.95) if ttfts else 0.0,
         throughput_tps=sum(r.tokens for r in results) / wall if wall > 0 else 0.0,
@@ -215,29 +249,36 @@ def run_load(url: str, clients: int, duration_s: float, max_tokens: int = 64, pr
         plan_steady_bytes=int(end.get("spark_edge_plan_steady_bytes", 0)),
         plan_peak_bytes=int(end.get("spark_edge_plan_peak_bytes", 0)),
         memory_limit_bytes=int(end.get("spark_edge_memory_limit_bytes", 0)),
-        rss_slope_mib_per_hour=slope, rss_slope_window_s=covered,
+        rss_slope_mib_per_hour=slope,
+        rss_slope_window_s=covered,
         samples=results,
     )
 
 
 def format_load_table(reports: dict[str, LoadReport]) -> str:
     width = max([12, *(len(tag) for tag in reports)])
-    head = (f"{'arm':<{width}} {'clients':>7} {'requests':>8} {'errors':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
-            f"{'tok/s':>7} {'stream tok/s':>12} {'RSS max MiB':>11} {'plan MiB':>9} {'peak/plan peak':>15} "
-            f"{'RSS MiB/h':>9}")
+    head = (
+        f"{'arm':<{width}} {'clients':>7} {'requests':>8} {'errors':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+        f"{'tok/s':>7} {'stream tok/s':>12} {'RSS max MiB':>11} {'plan MiB':>9} {'peak/plan peak':>15} "
+        f"{'RSS MiB/h':>9}"
+    )
     lines = [head, "-" * len(head)]
     for tag, r in reports.items():
         lines.append(
-            f"{tag:<{width}} {r.clients:>7} {r.requests:>8} {len(r.errors):>6} {r.ttft_p50_s:>8.3f}s {r.ttft_p95_s:>8.3f}s "
+            f"{tag:<{width}} {r.clients:>7} {r.requests:>8} {len(r.errors):>6} "
+            f"{r.ttft_p50_s:>8.3f}s {r.ttft_p95_s:>8.3f}s "
             f"{r.throughput_tps:>7.1f} {r.stream_tps_p50:>12.1f} {r.rss_anon_max_bytes / MiB:>11.0f} "
             f"{r.plan_steady_bytes / MiB:>9.0f} "
             f"{r.rss_anon_peak_bytes / MiB:>6.0f}/{r.plan_peak_bytes / MiB:<6.0f} {r.rss_slope_mib_per_hour:>+9.1f}"
-            f"{'' if r.under_plan else ' OVER'}")
+            f"{'' if r.under_plan else ' OVER'}"
+        )
     for tag, r in reports.items():
         for error in r.errors[:5]:
             lines.append(f"{tag}: error: {error}")
-    lines.append("RSS max: anonymous RSS of the server's process tree during the load (plan: its steady figure); "
-                 "peak: over the server's life, load included (plan: its peak, load or a prompt_logprobs step); "
-                 f"RSS MiB/h: its least-squares slope over the load's last {SLOPE_WINDOW_S // 60} minutes "
-                 "(all of a shorter load)")
+    lines.append(
+        "RSS max: anonymous RSS of the server's process tree during the load (plan: its steady figure); "
+        "peak: over the server's life, load included (plan: its peak, load or a prompt_logprobs step); "
+        f"RSS MiB/h: its least-squares slope over the load's last {SLOPE_WINDOW_S // 60} minutes "
+        "(all of a shorter load)"
+    )
     return "\n".join(lines)

@@ -38,8 +38,14 @@ def _profile_decode(llm, prompt: list[int]) -> list[dict]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _timed(llm, [prompt], PROFILED_STEPS + 1)
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]
-    return [{"op": e.key, "calls_per_step": e.count / PROFILED_STEPS,
-             "self_ms_per_step": e.self_cpu_time_total / 1000 / PROFILED_STEPS} for e in rows]
+    return [
+        {
+            "op": e.key,
+            "calls_per_step": e.count / PROFILED_STEPS,
+            "self_ms_per_step": e.self_cpu_time_total / 1000 / PROFILED_STEPS,
+        }
+        for e in rows
+    ]
 
 
 def kv_cache_bytes(checkpoint: str) -> int:
@@ -59,29 +65,45 @@ def run(checkpoint: str, vocab: int, reps: int) -> dict:
     start = time.perf_counter()
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
 
-    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=DEFAULT_MAX_MODEL_LEN, max_num_seqs=DEFAULT_MAX_NUM_SEQS,
-              kv_cache_memory_bytes=kv_cache_bytes(checkpoint), distributed_executor_backend="uni")
+    llm = LLM(
+        model=checkpoint,
+        dtype="bfloat16",
+        max_model_len=DEFAULT_MAX_MODEL_LEN,
+        max_num_seqs=DEFAULT_MAX_NUM_SEQS,
+        kv_cache_memory_bytes=kv_cache_bytes(checkpoint),
+        distributed_executor_backend="uni",
+    )
     ready_s = time.perf_counter() - start
     _timed(llm, [prompt(8)], 8)  # warm-up
     pp = min(_timed(llm, [prompt(512)], 1) for _ in range(reps))
     t1 = min(_timed(llm, [prompt(1)], 1) for _ in range(reps))
     t128 = min(_timed(llm, [prompt(1)], 128) for _ in range(reps))
-    return {"ready_s": ready_s, "pp512_tps": 512 / pp, "tg128_tps": 127 / (t128 - t1),
-            "profile_top_ops": _profile_decode(llm, prompt(1))}
+    return {
+        "ready_s": ready_s,
+        "pp512_tps": 512 / pp,
+        "tg128_tps": 127 / (t128 - t1),
+        "profile_top_ops": _profile_decode(llm, prompt(1)),
+    }
 
 
-def run_offline(checkpoint: Path, vocab: int, reps: int, cache_root: Path, log_path: Path,
-                timeout_s: float = 1800) -> dict:
+def run_offline(
+    checkpoint: Path, vocab: int, reps: int, cache_root: Path, log_path: Path, timeout_s: float = 1800
+) -> dict:
     """The child process; raises with the log's tail if it fails."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(cache_root),
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CACHE_ROOT": str(cache_root),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
     cmd = [sys.executable, "-m", "spark_edge.bench.offline", str(checkpoint), str(vocab), str(reps)]
     with open(log_path, "ab") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-    lines = [l for l in log_path.read_text(errors="replace").splitlines() if l.startswith(RESULT_PREFIX)]
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         raise RuntimeError(f"the offline engine run failed: {engine_error(log_path)} (log: {log_path})")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 def engine_error(log_path: Path) -> str:

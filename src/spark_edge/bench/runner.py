@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from spark_edge.bench.fidelity import top1_agreement
 from spark_edge.bench.server_arm import ArmResult, run_arm
@@ -20,8 +21,14 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 # (metric, better) -- "max" for rates, "min" for time and memory
-METRICS = (("tg128_tps", "max"), ("pp512_tps", "max"), ("load_peak_bytes", "min"), ("settled_bytes", "min"),
-           ("ready_s", "min"), ("metrics_scrape_s", "min"))
+METRICS = (
+    ("tg128_tps", "max"),
+    ("pp512_tps", "max"),
+    ("load_peak_bytes", "min"),
+    ("settled_bytes", "min"),
+    ("ready_s", "min"),
+    ("metrics_scrape_s", "min"),
+)
 
 
 def rotated(arms: list[str], pass_index: int) -> list[str]:
@@ -38,20 +45,45 @@ class Arm:
     peer: Peer | None = None  # set: the arm is llama.cpp's, served from the GGUFs made of `checkpoint`
 
 
-def _run_one(tag: str, arm: Arm, p: int, home: Path, log_dir: Path, reps: int,
-             fidelity_windows: list[list[int]] | None, served: bool) -> ArmResult:
+def _run_one(
+    tag: str,
+    arm: Arm,
+    p: int,
+    home: Path,
+    log_dir: Path,
+    reps: int,
+    fidelity_windows: list[list[int]] | None,
+    served: bool,
+) -> ArmResult:
     log_path = log_dir / f"{tag}.log"
     if arm.peer is not None:
         from spark_edge.bench.peer_arms import run_peer_arm
 
         return run_peer_arm(tag, arm.peer, arm.vocab, log_path, reps, served, arm.env)
-    return run_arm(tag, arm.checkpoint, arm.vocab, home, log_path, reps, arm.serve_args, arm.env,
-                   fidelity_windows=fidelity_windows if p == 0 else None, served=served)
+    return run_arm(
+        tag,
+        arm.checkpoint,
+        arm.vocab,
+        home,
+        log_path,
+        reps,
+        arm.serve_args,
+        arm.env,
+        fidelity_windows=fidelity_windows if p == 0 else None,
+        served=served,
+    )
 
 
-def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, reps: int,
-               log: Callable[[str], None],
-               fidelity_windows: list[list[int]] | None = None, served: bool = False) -> dict[str, list[ArmResult]]:
+def run_passes(
+    arms: dict[str, Arm],
+    passes: int,
+    home: Path,
+    log_dir: Path,
+    reps: int,
+    log: Callable[[str], None],
+    fidelity_windows: list[list[int]] | None = None,
+    served: bool = False,
+) -> dict[str, list[ArmResult]]:
     """Fidelity (deterministic) is scored on each arm's first pass only."""
     results: dict[str, list[ArmResult]] = {tag: [] for tag in arms}
     for p in range(passes):
@@ -64,9 +96,11 @@ def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, rep
                 log(f"  {tag} failed: {exc} (log: {log_dir / f'{tag}.log'})")
                 r = ArmResult(tag, 0, 0, 0, 0, 0, 0, "failed", errors=[str(exc)])
             else:
-                log(f"  ready {r.ready_s:.1f} s ({r.cache}), tg128 {r.tg128_tps:.1f} tok/s, "
+                log(
+                    f"  ready {r.ready_s:.1f} s ({r.cache}), tg128 {r.tg128_tps:.1f} tok/s, "
                     f"pp512 {r.pp512_tps:.0f} tok/s, load peak {r.load_peak_bytes / MiB:.0f} MiB, "
-                    f"settled {r.settled_bytes / MiB:.0f} MiB")
+                    f"settled {r.settled_bytes / MiB:.0f} MiB"
+                )
                 if r.served:
                     log("  streamed: " + served_line(r.served))
                 for quant, figures in r.llama_bench.items():
@@ -76,16 +110,20 @@ def run_passes(arms: dict[str, Arm], passes: int, home: Path, log_dir: Path, rep
 
 
 def served_line(served: dict) -> str:
-    levels = ", ".join(f"{c['streams']}x {c['aggregate_tps']:.1f} tok/s (ttft p50 {1000 * c['ttft_p50_s']:.0f} ms)"
-                       for c in served["concurrency"])
+    levels = ", ".join(
+        f"{c['streams']}x {c['aggregate_tps']:.1f} tok/s (ttft p50 {1000 * c['ttft_p50_s']:.0f} ms)"
+        for c in served["concurrency"]
+    )
     return f"tg128 {served['tg128_tps']:.1f} tok/s, pp512 {served['pp512_tps']:.0f} tok/s; aggregate {levels}"
 
 
 def llama_bench_line(figures: dict) -> str:
     if "error" in figures:
         return f"failed: {figures['error']}"
-    return (f"pp512 {figures['pp512_tps']:.1f} ±{figures['pp512_stddev_tps']:.1f} tok/s, "
-            f"tg128 {figures['tg128_tps']:.1f} ±{figures['tg128_stddev_tps']:.1f} tok/s")
+    return (
+        f"pp512 {figures['pp512_tps']:.1f} ±{figures['pp512_stddev_tps']:.1f} tok/s, "
+        f"tg128 {figures['tg128_tps']:.1f} ±{figures['tg128_stddev_tps']:.1f} tok/s"
+    )
 
 
 def _best(values: list[float], better: str) -> float:
@@ -93,8 +131,11 @@ def _best(values: list[float], better: str) -> float:
 
 
 def _ratios(arm: dict, other: dict) -> dict:
-    return {metric: arm[metric]["best"] / other[metric]["best"]
-            for metric, _ in METRICS if metric in arm and metric in other and other[metric]["best"]}
+    return {
+        metric: arm[metric]["best"] / other[metric]["best"]
+        for metric, _ in METRICS
+        if metric in arm and metric in other and other[metric]["best"]
+    }
 
 
 def peer_summary(runs: list[ArmResult], tag: str) -> dict:
@@ -106,8 +147,11 @@ def peer_summary(runs: list[ArmResult], tag: str) -> dict:
             if kept is None or "error" in kept or ("error" not in figures and figures["tg128_tps"] > kept["tg128_tps"]):
                 bench[quant] = figures
     streamed = [r.served for r in runs if r.served and not r.errors]
-    return {"arm": tag, "llama_bench": bench,
-            "streamed": max(streamed, key=lambda s: s["tg128_tps"]) if streamed else {}}
+    return {
+        "arm": tag,
+        "llama_bench": bench,
+        "streamed": max(streamed, key=lambda s: s["tg128_tps"]) if streamed else {},
+    }
 
 
 def summarize(results: dict[str, list[ArmResult]], baseline: str, peer: str | None = None) -> dict:
@@ -115,8 +159,11 @@ def summarize(results: dict[str, list[ArmResult]], baseline: str, peer: str | No
     summary: dict = {"arms": {}, "baseline": baseline}
     for tag, runs in results.items():
         ok = [r for r in runs if not r.errors]
-        arm: dict = {"passes": len(runs), "failed": len(runs) - len(ok),
-                     "runs": [{k: v for k, v in asdict(r).items() if k != "top1"} for r in runs]}
+        arm: dict = {
+            "passes": len(runs),
+            "failed": len(runs) - len(ok),
+            "runs": [{k: v for k, v in asdict(r).items() if k != "top1"} for r in runs],
+        }
         scored = next((r for r in ok if r.top1), None)
         if scored:
             arm["perplexity"] = scored.perplexity
@@ -148,9 +195,11 @@ def summarize(results: dict[str, list[ArmResult]], baseline: str, peer: str | No
 
 def format_table(summary: dict) -> str:
     w = max(10, *(len(tag) for tag in summary["arms"]))  # the arm column fits the longest tag
-    head = (f"{'arm':<{w}} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
-            f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)"
-            + (f"; vs {summary['peer']['arm']}" if "peer" in summary else ""))
+    head = (
+        f"{'arm':<{w}} {'tg128 tok/s':>12} {'pp512 tok/s':>12} {'load peak MiB':>14} {'settled MiB':>12} "
+        f"{'peak/settled':>12} {'ready s':>8}   ratios vs {summary['baseline']} (tg, pp, peak)"
+        + (f"; vs {summary['peer']['arm']}" if "peer" in summary else "")
+    )
     lines = [head, "-" * len(head)]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
@@ -168,15 +217,20 @@ def format_table(summary: dict) -> str:
             f"{cell('load_peak_bytes', MiB, '.0f'):>14} {cell('settled_bytes', MiB, '.0f'):>12} {ratio:>12.2f} "
             f"{arm['ready_s']['best']:>8.1f}   "
             f"{vs.get('tg128_tps', 0):.2f}x {vs.get('pp512_tps', 0):.2f}x {vs.get('load_peak_bytes', 0):.2f}x"
-            + (f"; {_triple(arm['vs_peer'])}" if arm.get("vs_peer") else ""))
+            + (f"; {_triple(arm['vs_peer'])}" if arm.get("vs_peer") else "")
+        )
     for tag, arm in summary["arms"].items():
         if "perplexity" in arm:
-            lines.append(f"{tag:<{w}} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
-                         f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}")
+            lines.append(
+                f"{tag:<{w}} perplexity {arm['perplexity']:.3f} (x{arm.get('perplexity_ratio', 1):.3f} vs "
+                f"{summary['baseline']}), teacher-forced top-1 agreement {arm.get('top1_agreement', 1):.3f}"
+            )
     lines.extend(_served_lines(summary))
     if "peer" in summary:
-        lines.extend(f"{summary['peer']['arm']} llama-bench {quant}: {llama_bench_line(figures)}"
-                     for quant, figures in summary["peer"]["llama_bench"].items())
+        lines.extend(
+            f"{summary['peer']['arm']} llama-bench {quant}: {llama_bench_line(figures)}"
+            for quant, figures in summary["peer"]["llama_bench"].items()
+        )
     passes = max(a["passes"] for a in summary["arms"].values())
     if passes < 2:
         lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")
@@ -203,10 +257,16 @@ def _served_lines(summary: dict) -> list[str]:
             vs_peer = ""
             if peer_streamed and tag != peer.get("arm"):
                 levels = {c["streams"]: c["aggregate_tps"] for c in peer_streamed["concurrency"]}
-                vs_peer = (f" (vs peer: tg128 {best['tg128_tps'] / peer_streamed['tg128_tps']:.2f}x, pp512 "
-                           f"{best['pp512_tps'] / peer_streamed['pp512_tps']:.2f}x, aggregate "
-                           + ", ".join(f"{c['streams']}x {c['aggregate_tps'] / levels[c['streams']]:.2f}x"
-                                       for c in best["concurrency"] if levels.get(c["streams"])) + ")")
+                vs_peer = (
+                    f" (vs peer: tg128 {best['tg128_tps'] / peer_streamed['tg128_tps']:.2f}x, pp512 "
+                    f"{best['pp512_tps'] / peer_streamed['pp512_tps']:.2f}x, aggregate "
+                    + ", ".join(
+                        f"{c['streams']}x {c['aggregate_tps'] / levels[c['streams']]:.2f}x"
+                        for c in best["concurrency"]
+                        if levels.get(c["streams"])
+                    )
+                    + ")"
+                )
             lines.append(f"{tag} streamed {served_line(best)}{vs_peer}")
     # the offline engine runs in one process, as llama-bench does: compare it with llama-bench's served GGUF
     in_process = next(iter(peer.get("llama_bench", {}).values()), {})
@@ -214,12 +274,16 @@ def _served_lines(summary: dict) -> list[str]:
         if "error" in off:
             lines.append(f"offline {path}: failed: {off['error']}")
             continue
-        lines.append(f"offline {path} (vLLM LLM, one process): tg128 {off['tg128_tps']:.1f} tok/s"
-                     f"{_peer_ratio(off['tg128_tps'], in_process.get('tg128_tps'))}, pp512 {off['pp512_tps']:.0f} "
-                     f"tok/s{_peer_ratio(off['pp512_tps'], in_process.get('pp512_tps'))}; decode step, top ops "
-                     "by self time:")
-        lines.extend(f"    {op['self_ms_per_step']:7.3f} ms/step {op['calls_per_step']:6.1f} calls  {op['op'][:60]}"
-                     for op in off["profile_top_ops"][:10])
+        lines.append(
+            f"offline {path} (vLLM LLM, one process): tg128 {off['tg128_tps']:.1f} tok/s"
+            f"{_peer_ratio(off['tg128_tps'], in_process.get('tg128_tps'))}, pp512 {off['pp512_tps']:.0f} "
+            f"tok/s{_peer_ratio(off['pp512_tps'], in_process.get('pp512_tps'))}; decode step, top ops "
+            "by self time:"
+        )
+        lines.extend(
+            f"    {op['self_ms_per_step']:7.3f} ms/step {op['calls_per_step']:6.1f} calls  {op['op'][:60]}"
+            for op in off["profile_top_ops"][:10]
+        )
     return lines
 
 

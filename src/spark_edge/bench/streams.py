@@ -26,7 +26,9 @@ class StreamResult:
     @property
     def decode_tps(self) -> float:
         """Tokens after the first, over the time after the first."""
-        return (self.tokens - 1) / (self.total_s - self.ttft_s) if self.tokens > 1 and self.total_s > self.ttft_s else 0.0
+        return (
+            (self.tokens - 1) / (self.total_s - self.ttft_s) if self.tokens > 1 and self.total_s > self.ttft_s else 0.0
+        )
 
 
 def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -34,15 +36,29 @@ def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(256, vocab) for _ in range(n)]
 
 
-def stream_completion(url: str, model: str, prompt: list[int] | str, max_tokens: int,
-                      headers: dict[str, str] | None = None, timeout_s: float = 600) -> StreamResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def stream_completion(
+    url: str,
+    model: str,
+    prompt: list[int] | str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> StreamResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     tokens = 0
-    with requests.post(f"{url}/v1/completions", json=body, headers=headers or {}, stream=True,
-                       timeout=timeout_s) as reply:
+    with requests.post(
+        f"{url}/v1/completions", json=body, headers=headers or {}, stream=True, timeout=timeout_s
+    ) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -63,8 +79,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def concurrent_streams(url: str, model: str, vocab: int, streams: int, prompt_tokens: int, max_tokens: int,
-                       seed: int, headers: dict[str, str] | None = None) -> dict:
+def concurrent_streams(
+    url: str,
+    model: str,
+    vocab: int,
+    streams: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    seed: int,
+    headers: dict[str, str] | None = None,
+) -> dict:
     """`streams` clients at once, each one streamed completion; aggregate decode throughput and TTFT."""
     rng = random.Random(seed)
     prompts = [random_prompt(rng, vocab, prompt_tokens) for _ in range(streams)]

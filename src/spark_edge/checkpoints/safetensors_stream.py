@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
 
 import torch
 
@@ -95,8 +96,9 @@ def _write_chunks(f: BinaryIO, spec: TensorSpec, tensor: RowChunks) -> None:
     rows = 0
     for chunk in tensor.chunks:
         if chunk.dtype != spec.dtype or tuple(chunk.shape[1:]) != spec.shape[1:]:
-            raise ValueError(f"tensor {spec.name}: a block {tuple(chunk.shape)} {chunk.dtype} does not fit "
-                             f"{spec.shape} {spec.dtype}")
+            raise ValueError(
+                f"tensor {spec.name}: a block {tuple(chunk.shape)} {chunk.dtype} does not fit {spec.shape} {spec.dtype}"
+            )
         rows += chunk.shape[0]
         if rows > spec.shape[0]:
             break

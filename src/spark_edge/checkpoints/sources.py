@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID, default_gguf
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
+from spark_edge.errors import CheckpointError
 
 
 class CheckpointSource(Protocol):

@@ -54,8 +54,9 @@ def register_op() -> None:
         return
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(OP_NAME, spark_head_gate, fake_impl=_spark_head_gate_fake, target_lib=_lib,
-                              dispatch_key="CPU")
+    direct_register_custom_op(
+        OP_NAME, spark_head_gate, fake_impl=_spark_head_gate_fake, target_lib=_lib, dispatch_key="CPU"
+    )
 
 
 def head_gate_op():

@@ -23,8 +23,11 @@ def _kernel(layer: torch.nn.Module) -> str:
 
 def spark_model_facts(model: torch.nn.Module) -> dict[str, Any]:
     layers = model.model.layers
-    ropes = {(tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in model.named_buffers()
-             if n.endswith("cos_sin_cache")}
+    ropes = {
+        (tuple(b.shape), str(b.dtype).removeprefix("torch."))
+        for n, b in model.named_buffers()
+        if n.endswith("cos_sin_cache")
+    }
     return {
         "class": type(model).__name__,
         "rope_tables": sorted([list(shape), dtype] for shape, dtype in ropes),

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -70,10 +69,12 @@ def _dims(config: Any) -> SparkDims:
 class SparkMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=False,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate, hidden, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = get_act_and_mul_fn("gelu")  # exact (erf) gelu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +104,14 @@ class HeadGate(nn.Module):
 
 
 class SparkAttention(nn.Module):
-    def __init__(self, dims: SparkDims, max_position: int, cache_config: CacheConfig | None,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        dims: SparkDims,
+        max_position: int,
+        cache_config: CacheConfig | None,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         if dims.heads % tp or (dims.kv_heads % tp and tp % dims.kv_heads):
@@ -114,10 +121,18 @@ class SparkAttention(nn.Module):
         self.head_dim = dims.head_dim
         self.q_size = self.heads * dims.head_dim
         self.kv_size = self.kv_heads * dims.head_dim
-        self.qkv_proj = QKVParallelLinear(dims.hidden, dims.head_dim, dims.heads, dims.kv_heads, bias=False,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.out_proj = RowParallelLinear(dims.q_size, dims.hidden, bias=False, quant_config=quant_config,
-                                          prefix=f"{prefix}.out_proj")
+        self.qkv_proj = QKVParallelLinear(
+            dims.hidden,
+            dims.head_dim,
+            dims.heads,
+            dims.kv_heads,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.out_proj = RowParallelLinear(
+            dims.q_size, dims.hidden, bias=False, quant_config=quant_config, prefix=f"{prefix}.out_proj"
+        )
         self.g_proj = HeadGate(self.heads, dims.hidden, use_silu=dims.gate_act == "silu")
 
         layer_type = dims.layer_types[extract_layer_index(prefix)]
@@ -127,8 +142,11 @@ class SparkAttention(nn.Module):
             dims.head_dim,
             max_position=max_position,
             is_neox_style=True,
-            rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"],
-                             "partial_rotary_factor": rope["partial_rotary_factor"]},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": rope["rope_theta"],
+                "partial_rotary_factor": rope["partial_rotary_factor"],
+            },
         )
         self.attn = Attention(
             self.heads,
@@ -151,16 +169,24 @@ class SparkAttention(nn.Module):
 
 
 class SparkDecoderLayer(nn.Module):
-    def __init__(self, dims: SparkDims, eps: float, max_position: int, cache_config: CacheConfig | None,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        dims: SparkDims,
+        eps: float,
+        max_position: int,
+        cache_config: CacheConfig | None,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.self_attn = SparkAttention(dims, max_position, cache_config, quant_config, f"{prefix}.self_attn")
         self.mlp = SparkMLP(dims.hidden, dims.intermediate, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(dims.hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden, eps=eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -179,11 +205,18 @@ class SparkModel(nn.Module):
         quant_config = vllm_config.quant_config
         dims = _dims(config)
         max_position = rope_max_position(config.max_position_embeddings, vllm_config.model_config.max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(dims.vocab, dims.hidden, quant_config=quant_config,
-                                                   prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabParallelEmbedding(
+            dims.vocab, dims.hidden, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
-            SparkDecoderLayer(dims, config.rms_norm_eps, max_position, vllm_config.cache_config, quant_config,
-                              prefix=f"{prefix}.layers.{i}")
+            SparkDecoderLayer(
+                dims,
+                config.rms_norm_eps,
+                max_position,
+                vllm_config.cache_config,
+                quant_config,
+                prefix=f"{prefix}.layers.{i}",
+            )
             for i in range(len(dims.layer_types))
         )
         self.norm = RMSNorm(dims.hidden, eps=config.rms_norm_eps)
@@ -191,9 +224,13 @@ class SparkModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
         for layer in self.layers:
@@ -202,8 +239,7 @@ class SparkModel(nn.Module):
         return hidden
 
 
-def split_fused_qkv(weights: Iterable[tuple[str, torch.Tensor]], dims: SparkDims
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def split_fused_qkv(weights: Iterable[tuple[str, torch.Tensor]], dims: SparkDims) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint q_k_v_proj tensors -> q_proj / k_proj / v_proj tensors (rows split in that order)."""
     rows = dims.qkv_rows
     for name, tensor in weights:
@@ -212,8 +248,10 @@ def split_fused_qkv(weights: Iterable[tuple[str, torch.Tensor]], dims: SparkDims
             continue
         suffix = name.rsplit(".", 1)[1]
         if suffix not in ROW_SPLIT_SUFFIXES:
-            raise ValueError(f"{name}: a fused q_k_v_proj '{suffix}' tensor cannot be split on load (its N is not "
-                             "on dim 0); export q/k/v separately (spark-edge build --weight-path w4a8 does)")
+            raise ValueError(
+                f"{name}: a fused q_k_v_proj '{suffix}' tensor cannot be split on load (its N is not "
+                "on dim 0); export q/k/v separately (spark-edge build --weight-path w4a8 does)"
+            )
         if tensor.shape[0] != sum(rows):
             raise ValueError(f"{name}: {tensor.shape[0]} rows, the config implies {sum(rows)} (q|k|v = {rows})")
         for part, piece in zip("qkv", tensor.split(list(rows), dim=0)):
@@ -241,8 +279,9 @@ class SparkForCausalLM(nn.Module):
         self.dims = _dims(config)
         self.quant_config = vllm_config.quant_config
         self.model = SparkModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(self.dims.vocab, self.dims.hidden, quant_config=self.quant_config,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
+        self.lm_head = ParallelLMHead(
+            self.dims.vocab, self.dims.hidden, quant_config=self.quant_config, prefix=maybe_prefix(prefix, "lm_head")
+        )
         if self.dims.tied:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(self.dims.vocab)
@@ -250,9 +289,14 @@ class SparkForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

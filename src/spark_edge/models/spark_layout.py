@@ -83,8 +83,9 @@ class SparkDims:
 def _rope(config: dict[str, Any], types: set[str]) -> dict[str, dict[str, float]]:
     params = config.get("rope_parameters")
     if not isinstance(params, dict) or not types <= set(params):
-        raise ValueError(f"Spark config: rope_parameters must hold an entry per layer type {sorted(types)}, "
-                         f"got {params!r}")
+        raise ValueError(
+            f"Spark config: rope_parameters must hold an entry per layer type {sorted(types)}, got {params!r}"
+        )
     rope: dict[str, dict[str, float]] = {}
     for kind in types:
         entry = params[kind] or {}
@@ -134,8 +135,14 @@ def spark_dims(config: dict[str, Any]) -> SparkDims:
         raise ValueError(f"Spark config: gate_attn_act_mode {gate_act!r} (known: {list(GATE_ACTS)})")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("Spark config: attention_bias / mlp_bias are not supported")
-    return SparkDims(**dims, layer_types=types, sliding_window=int(window or 0), rope=_rope(config, set(types)),
-                     gate_act=gate_act, tied=bool(config.get("tie_word_embeddings", False)))
+    return SparkDims(
+        **dims,
+        layer_types=types,
+        sliding_window=int(window or 0),
+        rope=_rope(config, set(types)),
+        gate_act=gate_act,
+        tied=bool(config.get("tie_word_embeddings", False)),
+    )
 
 
 def split_qkv_name(name: str, part: str) -> str:

@@ -13,7 +13,8 @@ small model's logits spread over a few units: every matrix ~N(0, 1/width) (the t
 head's logits have unit scale), biases ~N(0, 0.02), norms ~1 (Gemma's 1 + w too: w ~0).
 
 `--tiny` keeps a preset's architecture fields and attention geometry (heads, KV heads, head width) and
-shrinks the rest (hidden ~256, 4 layers or one period of a layer pattern, MLP 512, a 512-token byte-level tokenizer, windows of 64 tokens):
+shrinks the rest (hidden ~256, 4 layers or one period of a layer pattern, MLP 512, a 512-token byte-level
+tokenizer, windows of 64 tokens):
 a model small enough to check against a reference implementation, with the family's real structure.
 """
 
@@ -23,9 +24,10 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -64,35 +66,117 @@ def _gemma3_layer_types(layers: int, period: int = 6) -> list[str]:
 # Geometries from each model's published config.json (hidden, layers, heads, KV heads, MLP, vocab, tying), and the
 # fields that make the architecture what it is (biases, norms, windows, RoPE).
 PRESETS: dict[str, Preset] = {
-    "smollm2-1.7b": Preset("LlamaForCausalLM", "llama", 2048, 24, 32, 32, 8192, 49152, tied=True,
-                           extra=(("rope_theta", 130000.0), ("max_position_embeddings", 8192))),
-    "llama-3.2-1b": Preset("LlamaForCausalLM", "llama", 2048, 16, 32, 8, 8192, 128256, tied=True, head_dim=64,
-                           extra=(("rope_theta", 500000.0), ("max_position_embeddings", 131072),
-                                  ("rope_scaling", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 8192}))),
-    "qwen2.5-1.5b": Preset("Qwen2ForCausalLM", "qwen2", 1536, 28, 12, 2, 8960, 151936, tied=True, qkv_bias=True,
-                           extra=(("rope_theta", 1000000.0), ("max_position_embeddings", 32768),
-                                  ("use_sliding_window", False))),
+    "smollm2-1.7b": Preset(
+        "LlamaForCausalLM",
+        "llama",
+        2048,
+        24,
+        32,
+        32,
+        8192,
+        49152,
+        tied=True,
+        extra=(("rope_theta", 130000.0), ("max_position_embeddings", 8192)),
+    ),
+    "llama-3.2-1b": Preset(
+        "LlamaForCausalLM",
+        "llama",
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        128256,
+        tied=True,
+        head_dim=64,
+        extra=(
+            ("rope_theta", 500000.0),
+            ("max_position_embeddings", 131072),
+            (
+                "rope_scaling",
+                {
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            ),
+        ),
+    ),
+    "qwen2.5-1.5b": Preset(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        1536,
+        28,
+        12,
+        2,
+        8960,
+        151936,
+        tied=True,
+        qkv_bias=True,
+        extra=(("rope_theta", 1000000.0), ("max_position_embeddings", 32768), ("use_sliding_window", False)),
+    ),
     # q and k RMS-normed per head, no biases
-    "qwen3-1.7b": Preset("Qwen3ForCausalLM", "qwen3", 2048, 28, 16, 8, 6144, 151936, tied=True, head_dim=128,
-                         extra=(("rope_theta", 1000000.0), ("max_position_embeddings", 40960),
-                                ("use_sliding_window", False))),
+    "qwen3-1.7b": Preset(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        2048,
+        28,
+        16,
+        8,
+        6144,
+        151936,
+        tied=True,
+        head_dim=128,
+        extra=(("rope_theta", 1000000.0), ("max_position_embeddings", 40960), ("use_sliding_window", False)),
+    ),
     # q/k norms, four norms a layer, embedding scaled by sqrt(hidden), 512-token windows in 5 of 6 layers
-    "gemma-3-1b": Preset("Gemma3ForCausalLM", "gemma3_text", 1152, 26, 4, 1, 6912, 262144, tied=True, head_dim=256,
-                         norm_offset=1.0,
-                         extra=(("hidden_act", "gelu_pytorch_tanh"), ("hidden_activation", "gelu_pytorch_tanh"),
-                                ("query_pre_attn_scalar", 256), ("sliding_window", 512),
-                                ("layer_types", _gemma3_layer_types(26)), ("rope_theta", 1000000.0),
-                                ("rope_local_base_freq", 10000.0), ("max_position_embeddings", 32768),
-                                ("final_logit_softcapping", None), ("attn_logit_softcapping", None))),
+    "gemma-3-1b": Preset(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        1152,
+        26,
+        4,
+        1,
+        6912,
+        262144,
+        tied=True,
+        head_dim=256,
+        norm_offset=1.0,
+        extra=(
+            ("hidden_act", "gelu_pytorch_tanh"),
+            ("hidden_activation", "gelu_pytorch_tanh"),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 512),
+            ("layer_types", _gemma3_layer_types(26)),
+            ("rope_theta", 1000000.0),
+            ("rope_local_base_freq", 10000.0),
+            ("max_position_embeddings", 32768),
+            ("final_logit_softcapping", None),
+            ("attn_logit_softcapping", None),
+        ),
+    ),
     # Phi-3-mini-4k: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), untied head
-    "phi-3-mini": Preset("Phi3ForCausalLM", "phi3", 3072, 32, 32, 32, 8192, 32064, tied=False,
-                         extra=(("rope_theta", 10000.0), ("max_position_embeddings", 4096),
-                                ("original_max_position_embeddings", 4096), ("sliding_window", 2047),
-                                ("rms_norm_eps", 1e-5))),
-    "spark-x2.5-1.7b": Preset("Spark2_5ForCausalLM", "spark2_5", 2048, 28, 8, 2, 6656, 131072, tied=True,
-                              head_dim=256),
+    "phi-3-mini": Preset(
+        "Phi3ForCausalLM",
+        "phi3",
+        3072,
+        32,
+        32,
+        32,
+        8192,
+        32064,
+        tied=False,
+        extra=(
+            ("rope_theta", 10000.0),
+            ("max_position_embeddings", 4096),
+            ("original_max_position_embeddings", 4096),
+            ("sliding_window", 2047),
+            ("rms_norm_eps", 1e-5),
+        ),
+    ),
+    "spark-x2.5-1.7b": Preset("Spark2_5ForCausalLM", "spark2_5", 2048, 28, 8, 2, 6656, 131072, tied=True, head_dim=256),
 }
 TINY = {"hidden": 256, "layers": 4, "intermediate": 512, "vocab": 512}  # the attention geometry stays published
 TINY_WINDOW = 64  # a tiny model's sliding window: test prompts cross it
@@ -119,17 +203,36 @@ def hf_config(name: str, preset: Preset, seed: int, bos: int, eos: int) -> dict[
     if preset.model_type == "spark2_5":
         from spark_edge.models.tiny_spark import TinySparkShape, spark_config
 
-        config = spark_config(TinySparkShape(layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
-                                             kv_heads=preset.kv_heads, head_dim=preset.dim,
-                                             intermediate=preset.intermediate, vocab=preset.vocab))
+        config = spark_config(
+            TinySparkShape(
+                layers=preset.layers,
+                hidden=preset.hidden,
+                heads=preset.heads,
+                kv_heads=preset.kv_heads,
+                head_dim=preset.dim,
+                intermediate=preset.intermediate,
+                vocab=preset.vocab,
+            )
+        )
     else:
-        config = {"architectures": [preset.architecture], "model_type": preset.model_type,
-                  "hidden_size": preset.hidden, "num_hidden_layers": preset.layers,
-                  "num_attention_heads": preset.heads, "num_key_value_heads": preset.kv_heads,
-                  "head_dim": preset.dim, "intermediate_size": preset.intermediate, "vocab_size": preset.vocab,
-                  "tie_word_embeddings": preset.tied, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-                  "attention_bias": preset.qkv_bias, "mlp_bias": False, "torch_dtype": "bfloat16",
-                  "tie_word_embeddings": preset.tied, **dict(preset.extra)}
+        config = {
+            "architectures": [preset.architecture],
+            "model_type": preset.model_type,
+            "hidden_size": preset.hidden,
+            "num_hidden_layers": preset.layers,
+            "num_attention_heads": preset.heads,
+            "num_key_value_heads": preset.kv_heads,
+            "head_dim": preset.dim,
+            "intermediate_size": preset.intermediate,
+            "vocab_size": preset.vocab,
+            "tie_word_embeddings": preset.tied,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "attention_bias": preset.qkv_bias,
+            "mlp_bias": False,
+            "torch_dtype": "bfloat16",
+            **dict(preset.extra),
+        }
     config.update(bos_token_id=bos, eos_token_id=eos)
     config.setdefault("pad_token_id", eos)  # transformers' own default (Phi-3's 32000) may lie outside a tiny vocab
     config[SYNTHETIC_KEY] = {"like": name, "seed": seed}
@@ -144,10 +247,16 @@ def tensor_specs(preset: Preset) -> list[TensorSpec]:
         config = hf_config("", preset, 0, 0, 0)
         return [TensorSpec(name, torch.bfloat16, shape) for name, shape in tensor_shapes(config)]
     h, q, kv, i = preset.hidden, preset.heads * preset.dim, preset.kv_heads * preset.dim, preset.intermediate
-    layer = [("input_layernorm.weight", (h,)), ("self_attn.q_k_v_proj.weight", (q + 2 * kv, h)),
-             ("self_attn.g_proj.weight", (preset.heads, h)), ("self_attn.out_proj.weight", (h, q)),
-             ("post_attention_layernorm.weight", (h,)), ("mlp.gate_proj.weight", (i, h)),
-             ("mlp.up_proj.weight", (i, h)), ("mlp.down_proj.weight", (h, i))]
+    layer = [
+        ("input_layernorm.weight", (h,)),
+        ("self_attn.q_k_v_proj.weight", (q + 2 * kv, h)),
+        ("self_attn.g_proj.weight", (preset.heads, h)),
+        ("self_attn.out_proj.weight", (h, q)),
+        ("post_attention_layernorm.weight", (h,)),
+        ("mlp.gate_proj.weight", (i, h)),
+        ("mlp.up_proj.weight", (i, h)),
+        ("mlp.down_proj.weight", (h, i)),
+    ]
     specs = [TensorSpec("model.embedding.weight", torch.bfloat16, (preset.vocab, h))]
     for n in range(preset.layers):
         specs += [TensorSpec(f"model.layers.{n}.{suffix}", torch.bfloat16, shape) for suffix, shape in layer]
@@ -240,7 +349,7 @@ def _write_config(out: Path, config: dict[str, Any]) -> Path:
 
 
 def synthetic_origin(config: dict[str, Any]) -> str | None:
-    """"random weights shaped like NAME (seed S)" for a synthetic checkpoint's config, else None."""
+    """ "random weights shaped like NAME (seed S)" for a synthetic checkpoint's config, else None."""
     marker = config.get(SYNTHETIC_KEY)
     if not marker:
         return None

@@ -105,25 +105,28 @@ def random_weights(shape: TinySparkShape, seed: int = 0) -> dict[str, torch.Tens
     tensors = {"model.embedding.weight": normal(shape.vocab, h, std=0.2)}
     for i in range(shape.layers):
         p = f"model.layers.{i}"
-        tensors.update({
-            f"{p}.input_layernorm.weight": norm_weight(),
-            # q, k entries ~N(0, 1.5^2): scores q.k / sqrt(head_dim) ~N(0, ~5)
-            f"{p}.self_attn.q_k_v_proj.weight": normal(qkv_rows, h, std=1.5 / math.sqrt(h)),
-            f"{p}.self_attn.g_proj.weight": normal(shape.heads, h, std=1.0 / math.sqrt(h)),
-            f"{p}.self_attn.out_proj.weight": normal(h, q, std=1.0 / math.sqrt(q)),
-            f"{p}.post_attention_layernorm.weight": norm_weight(),
-            f"{p}.mlp.gate_proj.weight": normal(shape.intermediate, h, std=1.0 / math.sqrt(h)),
-            f"{p}.mlp.up_proj.weight": normal(shape.intermediate, h, std=1.0 / math.sqrt(h)),
-            f"{p}.mlp.down_proj.weight": normal(h, shape.intermediate, std=1.0 / math.sqrt(shape.intermediate)),
-        })
+        tensors.update(
+            {
+                f"{p}.input_layernorm.weight": norm_weight(),
+                # q, k entries ~N(0, 1.5^2): scores q.k / sqrt(head_dim) ~N(0, ~5)
+                f"{p}.self_attn.q_k_v_proj.weight": normal(qkv_rows, h, std=1.5 / math.sqrt(h)),
+                f"{p}.self_attn.g_proj.weight": normal(shape.heads, h, std=1.0 / math.sqrt(h)),
+                f"{p}.self_attn.out_proj.weight": normal(h, q, std=1.0 / math.sqrt(q)),
+                f"{p}.post_attention_layernorm.weight": norm_weight(),
+                f"{p}.mlp.gate_proj.weight": normal(shape.intermediate, h, std=1.0 / math.sqrt(h)),
+                f"{p}.mlp.up_proj.weight": normal(shape.intermediate, h, std=1.0 / math.sqrt(h)),
+                f"{p}.mlp.down_proj.weight": normal(h, shape.intermediate, std=1.0 / math.sqrt(shape.intermediate)),
+            }
+        )
     tensors["model.norm.weight"] = norm_weight()
     return tensors
 
 
 def _byte_vocab() -> dict[str, int]:
     """GPT-2's byte -> printable character map, so a byte-level BPE has one token per byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(BYTE_TOKENS):
         if b in printable:
@@ -146,11 +149,20 @@ def write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
     if tok.get_vocab_size() != vocab_size:
         raise AssertionError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-        "model_max_length": 1048576, "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "pad_token": PAD,
+                "model_max_length": 1048576,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return {"bos": tok.token_to_id(BOS), "eos": tok.token_to_id(EOS), "pad": tok.token_to_id(PAD)}
 
 

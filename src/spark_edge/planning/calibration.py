@@ -48,8 +48,9 @@ def calibrated_baseline(features: list[str], weight_path: str, layout: str) -> i
         return None
 
 
-def record_load_peak(features: list[str], plan: MemoryPlan, layout: str, measured_load_peak: int,
-                     cpu_model: str | None) -> int:
+def record_load_peak(
+    features: list[str], plan: MemoryPlan, layout: str, measured_load_peak: int, cpu_model: str | None
+) -> int:
     """Record the baseline that makes `plan`'s load peak equal the measured one (if larger than the one
     recorded); returns the baseline now in force. Best effort: a read-only data folder keeps the constant."""
     needed = plan.baseline_bytes + measured_load_peak - plan.load_peak_bytes
@@ -57,9 +58,14 @@ def record_load_peak(features: list[str], plan: MemoryPlan, layout: str, measure
     if needed <= current:
         return current
     path = _path(features, plan.weight_path, layout)
-    record = {"baseline_bytes": needed, "measured_load_peak_bytes": measured_load_peak,
-              "plan_load_peak_bytes": plan.load_peak_bytes, "cpu_model": cpu_model, "machine": platform.machine(),
-              "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {
+        "baseline_bytes": needed,
+        "measured_load_peak_bytes": measured_load_peak,
+        "plan_load_peak_bytes": plan.load_peak_bytes,
+        "cpu_model": cpu_model,
+        "machine": platform.machine(),
+        "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

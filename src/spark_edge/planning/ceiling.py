@@ -36,7 +36,12 @@ def serving_ceiling(memory: MemoryBudget, explicit: int | None = None, own_anon:
         used = memory.cgroup_used or 0
         # what the cgroup still has, plus what this process holds (it is part of the plan's baseline)
         ceiling = min(memory.host_available, memory.cgroup_limit - used + min(own, used))
-        return Ceiling(ceiling, f"cgroup limit {memory.cgroup_limit / MiB:.0f} MiB, {used / MiB:.0f} MiB "
-                                f"of it in use, {min(own, used) / MiB:.0f} MiB of that by this process")
-    return Ceiling(memory.ceiling + own, f"host memory available {memory.host_available / MiB:.0f} MiB, "
-                                         f"plus {own / MiB:.0f} MiB this process holds")
+        return Ceiling(
+            ceiling,
+            f"cgroup limit {memory.cgroup_limit / MiB:.0f} MiB, {used / MiB:.0f} MiB "
+            f"of it in use, {min(own, used) / MiB:.0f} MiB of that by this process",
+        )
+    return Ceiling(
+        memory.ceiling + own,
+        f"host memory available {memory.host_available / MiB:.0f} MiB, plus {own / MiB:.0f} MiB this process holds",
+    )

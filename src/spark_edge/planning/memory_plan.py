@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 from spark_edge.errors import PlanRefused
 from spark_edge.planning.model_shape import ModelShape
-from spark_edge.probe.cpu_features import host_has_bf16_gemm
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
+from spark_edge.probe.cpu_features import host_has_bf16_gemm
 from spark_edge.registry import weight_path as weight_path_spec
 
 MiB = 1 << 20
@@ -136,10 +136,16 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(steady_bytes=self.steady_bytes, load_peak_bytes=self.load_peak_bytes,
-                 serving_peak_bytes=self.serving_peak_bytes, peak_bytes=self.peak_bytes,
-                 budget_bytes=self.budget_bytes, fits=self.fits, reduced_context=self.reduced_context,
-                 reduced_prefill_chunk=self.reduced_prefill_chunk)
+        d.update(
+            steady_bytes=self.steady_bytes,
+            load_peak_bytes=self.load_peak_bytes,
+            serving_peak_bytes=self.serving_peak_bytes,
+            peak_bytes=self.peak_bytes,
+            budget_bytes=self.budget_bytes,
+            fits=self.fits,
+            reduced_context=self.reduced_context,
+            reduced_prefill_chunk=self.reduced_prefill_chunk,
+        )
         return d
 
     def summary(self) -> str:
@@ -152,12 +158,14 @@ class MemoryPlan:
         ctx += f", prefill chunk {self.max_num_batched_tokens} tokens"
         if self.reduced_prefill_chunk:
             ctx += f" (reduced from {PREFILL_CHUNK_TOKENS} to fit)"
-        return (f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
-                f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
-                f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
-                f"load transient {mib(self.load_transient_bytes)}, prompt-logprobs transient "
-                f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
-                f"with {mib(self.headroom_bytes)} headroom; {ctx}")
+        return (
+            f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
+            f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
+            f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
+            f"load transient {mib(self.load_transient_bytes)}, prompt-logprobs transient "
+            f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
+            f"with {mib(self.headroom_bytes)} headroom; {ctx}"
+        )
 
 
 def activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -180,8 +188,18 @@ def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens
     return shape.kv_cache_bytes(tokens, seqs, in_flight_tokens, KV_BLOCK_TOKENS)
 
 
-def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context: int, kv_tokens: int,
-          requested: int, max_num_seqs: int, baseline: int, batched: int) -> MemoryPlan:
+def _plan(
+    shape: ModelShape,
+    weight_path: str,
+    group: int,
+    ceiling: int,
+    context: int,
+    kv_tokens: int,
+    requested: int,
+    max_num_seqs: int,
+    baseline: int,
+    batched: int,
+) -> MemoryPlan:
     weights = resident_weight_bytes(shape, weight_path, group)
     return MemoryPlan(
         weight_path=weight_path,
@@ -192,7 +210,8 @@ def _plan(shape: ModelShape, weight_path: str, group: int, ceiling: int, context
         kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched),
         kv_tokens=kv_tokens,
         activation_bytes=activation_bytes(shape, batched, max_num_seqs),
-        load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES + int(weight_path_spec(weight_path).load_transient_fraction * weights),
+        load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES
+        + int(weight_path_spec(weight_path).load_transient_fraction * weights),
         logits_transient_bytes=logits_transient_bytes(shape, batched),
         max_model_len=context,
         requested_max_model_len=requested,
@@ -210,9 +229,16 @@ def _prefill_chunks(max_num_seqs: int) -> list[int]:
     return chunks or [max_num_seqs]
 
 
-def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model_len: int,
-              max_num_seqs: int = 4, group: int = 32, layout: str = "engine",
-              calibrated_baseline: int | None = None) -> MemoryPlan:
+def make_plan(
+    shape: ModelShape,
+    weight_path: str,
+    ceiling_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int = 4,
+    group: int = 32,
+    layout: str = "engine",
+    calibrated_baseline: int | None = None,
+) -> MemoryPlan:
     """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused.
 
     `calibrated_baseline`: this host's measured runtime baseline (planning/calibration.py); the plan
@@ -223,8 +249,18 @@ def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model
         # KV for every sequence at full length, down to one full-length sequence
         for seqs in range(max_num_seqs, 0, -1):
             for batched in _prefill_chunks(max_num_seqs):  # a smaller chunk first: it costs the least
-                plan = _plan(shape, weight_path, group, ceiling_bytes, context, context * seqs, max_model_len,
-                             max_num_seqs, baseline, batched)
+                plan = _plan(
+                    shape,
+                    weight_path,
+                    group,
+                    ceiling_bytes,
+                    context,
+                    context * seqs,
+                    max_model_len,
+                    max_num_seqs,
+                    baseline,
+                    batched,
+                )
                 if plan.fits:
                     return plan
         if context <= MIN_CONTEXT:
@@ -232,5 +268,7 @@ def make_plan(shape: ModelShape, weight_path: str, ceiling_bytes: int, max_model
                 f"does not fit: even a {context}-token context needs a peak of "
                 f"{plan.peak_bytes / MiB:.0f} MiB, and the budget is {plan.budget_bytes / MiB:.0f} MiB "
                 f"(ceiling {ceiling_bytes / MiB:.0f} MiB minus {plan.headroom_bytes / MiB:.0f} MiB headroom). "
-                f"{plan.summary()}", plan)
+                f"{plan.summary()}",
+                plan,
+            )
         context = max(MIN_CONTEXT, context // 2)

@@ -28,7 +28,7 @@ class ModelShape:
     sliding_window: int = 0
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         heads = int(config["num_attention_heads"])
         layer_types = config.get("layer_types") or []
         window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
@@ -54,9 +54,15 @@ class ModelShape:
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(N, K) of every linear layer in the decoder stack, the head excluded."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        per_layer = [(q, self.hidden), (kv, self.hidden), (kv, self.hidden), (self.hidden, q),
-                     (self.intermediate, self.hidden), (self.intermediate, self.hidden),
-                     (self.hidden, self.intermediate)]
+        per_layer = [
+            (q, self.hidden),
+            (kv, self.hidden),
+            (kv, self.hidden),
+            (self.hidden, q),
+            (self.intermediate, self.hidden),
+            (self.intermediate, self.hidden),
+            (self.hidden, self.intermediate),
+        ]
         return per_layer * self.layers
 
     def norm_params(self) -> int:
@@ -77,8 +83,9 @@ class ModelShape:
         held = min(self.sliding_window - 1 + in_flight_tokens, context)
         return _cdiv(held, block_tokens) + 1
 
-    def kv_cache_bytes(self, context: int, seqs: int, in_flight_tokens: int, block_tokens: int,
-                       dtype_bytes: int = 2) -> int:
+    def kv_cache_bytes(
+        self, context: int, seqs: int, in_flight_tokens: int, block_tokens: int, dtype_bytes: int = 2
+    ) -> int:
         """KV cache for `seqs` sequences of `context` tokens, in whole blocks, plus vLLM's null block.
 
         Every layer of a model without windows holds every token. With windows (vLLM's hybrid KV
@@ -89,8 +96,9 @@ class ModelShape:
             blocks = _cdiv(context * seqs, block_tokens) + 1
             return blocks * block_tokens * self.kv_bytes_per_token(dtype_bytes)
         full_layers = self.layers - self.sliding_layers
-        per_seq = (full_layers * _cdiv(context, block_tokens)
-                   + self.sliding_layers * self.sliding_blocks(context, in_flight_tokens, block_tokens))
+        per_seq = full_layers * _cdiv(context, block_tokens) + self.sliding_layers * self.sliding_blocks(
+            context, in_flight_tokens, block_tokens
+        )
         # the null block, charged in every layer (an upper bound: vLLM keeps one per KV cache group)
         layer_blocks = seqs * per_seq + self.layers
         return layer_blocks * block_tokens * self.kv_bytes_per_token_per_layer(dtype_bytes)

@@ -5,8 +5,8 @@ Everything is read below an injectable root folder, so tests point it at fixture
 asked of the kernel directly, and only when the root is the real "/".
 """
 
-from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.errors import UnsupportedHostError
+from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import IMAGES, image_isa_problem, recommended_image
 from spark_edge.probe.weight_path_choice import PRIORITIES, WEIGHT_PATHS, WeightPathChoice, select_weight_path
 

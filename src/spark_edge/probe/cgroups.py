@@ -126,7 +126,7 @@ def _relative(path: str, mount_root: str) -> str | None:
     if path == mount_root:
         return ""
     if path.startswith(mount_root.rstrip("/") + "/"):
-        return path[len(mount_root.rstrip("/")) + 1:]
+        return path[len(mount_root.rstrip("/")) + 1 :]
     return None
 
 

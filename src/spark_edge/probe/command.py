@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.errors import UnsupportedHostError
+from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.weight_path_choice import PRIORITIES, WEIGHT_PATHS, WeightPathChoice, select_weight_path
 
 JSON_VERSION = 1  # bump when a key of `probe --json` changes meaning or disappears
@@ -16,10 +16,19 @@ JSON_VERSION = 1  # bump when a key of `probe --json` changes meaning or disappe
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable keys).")
-@click.option("--priority", type=click.Choice(PRIORITIES), default="speed", show_default=True,
-              help="speed: fastest path; fidelity: keep bf16 activations.")
-@click.option("--weight-path", type=click.Choice(WEIGHT_PATHS), default=None,
-              help="Check an explicit weight path instead of choosing one.")
+@click.option(
+    "--priority",
+    type=click.Choice(PRIORITIES),
+    default="speed",
+    show_default=True,
+    help="speed: fastest path; fidelity: keep bf16 activations.",
+)
+@click.option(
+    "--weight-path",
+    type=click.Choice(WEIGHT_PATHS),
+    default=None,
+    help="Check an explicit weight path instead of choosing one.",
+)
 # Probing a /proc + /sys tree collected from another machine (or a test fixture); the
 # architecture is the process's, not the files', so it must be given with --root.
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), hidden=True)
@@ -47,7 +56,9 @@ def _as_json(profile: DeviceProfile, priority: str, choice: WeightPathChoice | N
         "version": JSON_VERSION,
         "device": profile.as_dict(),
         "priority": priority,
-        "weight_path": None if choice is None else {
+        "weight_path": None
+        if choice is None
+        else {
             "name": choice.name,
             "reason": choice.reason,
             "verified": choice.verified,
@@ -70,10 +81,15 @@ def _table(profile: DeviceProfile, choice: WeightPathChoice | None) -> str:
     if profile.machine == "x86_64":
         rows.append(("AMX usable", "yes" if profile.amx_usable else "no"))
     rows += [
-        ("usable cores", f"{cpus.usable_cores} (affinity {_cpu_list(cpus.affinity)}; cgroup quota {quota}; "
-                         f"NUMA nodes {numa})"),
-        ("memory ceiling", f"{_size(mem.ceiling)} (host {_size(mem.host_total)} total, "
-                           f"{_size(mem.host_available)} available; cgroup limit {limit}, used {used})"),
+        (
+            "usable cores",
+            f"{cpus.usable_cores} (affinity {_cpu_list(cpus.affinity)}; cgroup quota {quota}; NUMA nodes {numa})",
+        ),
+        (
+            "memory ceiling",
+            f"{_size(mem.ceiling)} (host {_size(mem.host_total)} total, "
+            f"{_size(mem.host_available)} available; cgroup limit {limit}, used {used})",
+        ),
     ]
     if choice is None:
         rows.append(("weight path", "none: this host is not supported"))

@@ -20,10 +20,18 @@ from spark_edge.probe.procfs import read_bytes, read_text
 
 # x86 flags that decide which vLLM kernels and weight paths run (kernel spellings).
 X86_FEATURES = (
-    "avx2", "fma", "f16c",  # vLLM's _C_AVX2 kernels use all three
-    "avx512f", "avx512bw", "avx512dq", "avx512vl",  # the set torch and vLLM call "AVX-512"
-    "avx512_bf16", "avx512_vnni",
-    "amx_tile", "amx_bf16", "amx_int8",
+    "avx2",
+    "fma",
+    "f16c",  # vLLM's _C_AVX2 kernels use all three
+    "avx512f",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",  # the set torch and vLLM call "AVX-512"
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
 )
 
 # ARM features, named as in /proc/cpuinfo, with their Linux arm64 hwcap bits
@@ -83,7 +91,7 @@ def probe_cpu_features(root: Path, machine: str) -> CpuFeatures:
 
 
 def first_processor_fields(cpuinfo: str) -> dict[str, str]:
-    """"key : value" pairs of the first processor block (features are uniform across CPUs)."""
+    """ "key : value" pairs of the first processor block (features are uniform across CPUs)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -142,13 +150,13 @@ def _arm_model(fields: dict[str, str]) -> str | None:
     return f"implementer {implementer}, part {part}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_has_bf16_gemm() -> bool:
     """Whether this host's oneDNN bf16 GEMMs run on bf16 hardware."""
     return bool(probe_cpu_features(Path("/"), platform.machine()).names & BF16_GEMM_FEATURES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_has_amx_bf16() -> bool:
     """Whether this CPU has AMX bf16 tiles (oneDNN's bf16 GEMM runs on them where the process may use them)."""
     return "amx_bf16" in probe_cpu_features(Path("/"), platform.machine()).names

@@ -84,5 +84,7 @@ def _is_real_root(root: Path) -> bool:
 def host_line(profile: DeviceProfile | None = None) -> str:
     """The host a measurement belongs to: CPU model, usable cores, ISA features."""
     profile = profile or probe_device()
-    return (f"{profile.cpu_model or 'unknown CPU'}, {profile.cpus.usable_cores} usable cores, "
-            f"features: {' '.join(sorted(profile.features)) or 'none'}")
+    return (
+        f"{profile.cpu_model or 'unknown CPU'}, {profile.cpus.usable_cores} usable cores, "
+        f"features: {' '.join(sorted(profile.features)) or 'none'}"
+    )

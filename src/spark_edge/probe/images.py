@@ -34,8 +34,10 @@ def image_isa_problem(image_isa: str, profile: DeviceProfile) -> str | None:
     if problem is not None:
         return f"{message}; no spark-edge image runs here: {problem}"
     # An AVX2-only x86 host: vLLM's wheel runs (its _C_AVX2 kernels) but no image targets it.
-    return (f"{message}; no spark-edge image targets AVX2-only CPUs: install spark-edge with pip "
-            "(vLLM's CPU wheel carries AVX2 kernels) instead of using an image")
+    return (
+        f"{message}; no spark-edge image targets AVX2-only CPUs: install spark-edge with pip "
+        "(vLLM's CPU wheel carries AVX2 kernels) instead of using an image"
+    )
 
 
 def _why_not(image_isa: str, profile: DeviceProfile) -> str:

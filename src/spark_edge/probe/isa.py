@@ -24,25 +24,32 @@ def host_problem(profile: DeviceProfile) -> str | None:
     """Why vLLM's CPU build cannot run on this host at all, with what to do instead; None if it can."""
     if profile.machine == "x86_64":
         if profile.feature_source == "none":
-            return ("could not read the CPU flags from /proc/cpuinfo, so spark-edge cannot tell whether "
-                    "vLLM's kernels (AVX2, FMA, F16C at least) will run; run it where /proc is mounted")
+            return (
+                "could not read the CPU flags from /proc/cpuinfo, so spark-edge cannot tell whether "
+                "vLLM's kernels (AVX2, FMA, F16C at least) will run; run it where /proc is mounted"
+            )
         missing = [f for f in X86_FLOOR if f not in profile.features]
         if missing:
-            return (f"this x86-64 CPU lacks {', '.join(missing)}; vLLM's CPU kernels need AVX2, FMA and F16C "
-                    "at least (Intel Haswell or AMD Zen and newer; AVX-512 recommended): run spark-edge on a "
-                    "newer x86-64 CPU or an arm64 CPU with NEON")
+            return (
+                f"this x86-64 CPU lacks {', '.join(missing)}; vLLM's CPU kernels need AVX2, FMA and F16C "
+                "at least (Intel Haswell or AMD Zen and newer; AVX-512 recommended): run spark-edge on a "
+                "newer x86-64 CPU or an arm64 CPU with NEON"
+            )
         return None
     if profile.machine == "aarch64":
         if profile.feature_source == "none":
-            return ("could not read the CPU features (neither /proc/self/auxv nor a Features line in "
-                    "/proc/cpuinfo), so spark-edge cannot tell whether the CPU has NEON (asimd), which "
-                    "vLLM's ARM kernels need; run it where /proc is mounted")
+            return (
+                "could not read the CPU features (neither /proc/self/auxv nor a Features line in "
+                "/proc/cpuinfo), so spark-edge cannot tell whether the CPU has NEON (asimd), which "
+                "vLLM's ARM kernels need; run it where /proc is mounted"
+            )
         if "asimd" not in profile.features:
-            return ("this arm64 CPU lacks Advanced SIMD (asimd, NEON), which vLLM's ARM kernels need: "
-                    "run spark-edge on an ARMv8-A CPU with NEON (every Cortex-A and Neoverse core has it)")
+            return (
+                "this arm64 CPU lacks Advanced SIMD (asimd, NEON), which vLLM's ARM kernels need: "
+                "run spark-edge on an ARMv8-A CPU with NEON (every Cortex-A and Neoverse core has it)"
+            )
         return None
-    return (f"this is a {profile.machine} machine; spark-edge runs on x86-64 (AVX2 or newer) and "
-            "arm64 (NEON) CPUs")
+    return f"this is a {profile.machine} machine; spark-edge runs on x86-64 (AVX2 or newer) and arm64 (NEON) CPUs"
 
 
 def has_avx512(profile: DeviceProfile) -> bool:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spark_edge import registry
-from spark_edge.probe.device import DeviceProfile
 from spark_edge.errors import UnsupportedHostError
+from spark_edge.probe.device import DeviceProfile
 from spark_edge.probe.isa import amx_missing_reason, amx_w4a8_ready, bf16_native, has_avx512, host_problem
 
 WEIGHT_PATHS = tuple(registry.WEIGHT_PATHS)
@@ -56,19 +56,33 @@ def _x86_choice(profile: DeviceProfile, priority: str) -> WeightPathChoice:
     if amx_w4a8_ready(profile):
         if priority == "speed":
             return WeightPathChoice(
-                "w4a8", "AMX int8 tiles are usable: vLLM's AMX kernel multiplies 4-bit weights with int8 "
+                "w4a8",
+                "AMX int8 tiles are usable: vLLM's AMX kernel multiplies 4-bit weights with int8 "
                 "activations, the fastest decode on this CPU for 1-2 B models (w4a16 prefills faster and keeps "
-                "closer to bf16: --priority fidelity)", verified=True, notes=_bf16_notes(profile))
+                "closer to bf16: --priority fidelity)",
+                verified=True,
+                notes=_bf16_notes(profile),
+            )
         return WeightPathChoice(
-            "w4a16", "fidelity priority: bf16 activations instead of int8 (w4a8 would decode faster on "
-            "this AMX CPU)", verified=True, notes=_bf16_notes(profile))
+            "w4a16",
+            "fidelity priority: bf16 activations instead of int8 (w4a8 would decode faster on this AMX CPU)",
+            verified=True,
+            notes=_bf16_notes(profile),
+        )
     if has_avx512(profile):
         return WeightPathChoice(
-            "w4a16", f"AVX-512 without usable AMX ({amx_missing_reason(profile)}): 4-bit weights with "
-            "bf16 activations", verified=True, notes=_bf16_notes(profile))
+            "w4a16",
+            f"AVX-512 without usable AMX ({amx_missing_reason(profile)}): 4-bit weights with bf16 activations",
+            verified=True,
+            notes=_bf16_notes(profile),
+        )
     return WeightPathChoice(
-        "w4a16", "AVX2 without AVX-512: 4-bit weights with bf16 activations on spark-edge's AVX2 int4 kernels "
-        "(the suite runs on an AMD EPYC Zen 3)", verified=True, notes=_bf16_notes(profile))
+        "w4a16",
+        "AVX2 without AVX-512: 4-bit weights with bf16 activations on spark-edge's AVX2 int4 kernels "
+        "(the suite runs on an AMD EPYC Zen 3)",
+        verified=True,
+        notes=_bf16_notes(profile),
+    )
 
 
 def _arm_w4a16(profile: DeviceProfile, reason: str) -> WeightPathChoice:
@@ -87,14 +101,26 @@ def _explicit(profile: DeviceProfile, name: str) -> WeightPathChoice:
     if name == "w4a8" and not amx_w4a8_ready(profile):
         # vLLM runs a w4a8 (GPTQ) checkpoint without AMX through its W4A16 vector kernel: it
         # works, but it is not the AMX path, so say so rather than refuse (benchmarks use it).
-        return WeightPathChoice(name, reason, verified=False, notes=(
-            f"{amx_missing_reason(profile)}: vLLM runs this checkpoint through its W4A16 vector "
-            "kernel, not the AMX one; w4a16 is the faster 4-bit path here", *_bf16_notes(profile)))
+        return WeightPathChoice(
+            name,
+            reason,
+            verified=False,
+            notes=(
+                f"{amx_missing_reason(profile)}: vLLM runs this checkpoint through its W4A16 vector "
+                "kernel, not the AMX one; w4a16 is the faster 4-bit path here",
+                *_bf16_notes(profile),
+            ),
+        )
     if name == "w4a8":
         return WeightPathChoice(name, reason, verified=True, notes=_bf16_notes(profile))
     if profile.machine == "aarch64":
-        return _arm_w4a16(profile, reason) if name == "w4a16" else WeightPathChoice(
-            name, reason, verified=False, notes=("not yet verified on real ARM hardware", *_bf16_notes(profile)))
+        return (
+            _arm_w4a16(profile, reason)
+            if name == "w4a16"
+            else WeightPathChoice(
+                name, reason, verified=False, notes=("not yet verified on real ARM hardware", *_bf16_notes(profile))
+            )
+        )
     verified = has_avx512(profile)
     notes = () if verified else ("measured only on AVX-512 CPUs so far",)
     return WeightPathChoice(name, reason, verified=verified, notes=notes + _bf16_notes(profile))

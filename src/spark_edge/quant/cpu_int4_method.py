@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch.nn import Module
-
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 

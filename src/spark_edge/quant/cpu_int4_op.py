@@ -48,7 +48,7 @@ is a config field (hashed into vLLM's compile-cache key).
 
 import functools
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch.library import Library
@@ -86,18 +86,16 @@ _lib = Library(NAMESPACE, "FRAGMENT")  # must outlive the ops registered into it
 
 def check_activation_dtype(x: torch.Tensor) -> None:
     if x.dtype != torch.bfloat16:
-        raise TypeError(
-            f"cpu_int4 takes bfloat16 activations, got {x.dtype}; serve the model with dtype=bfloat16"
-        )
+        raise TypeError(f"cpu_int4 takes bfloat16 activations, got {x.dtype}; serve the model with dtype=bfloat16")
 
 
 def _weight_bf16(
     weight: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-    rm_packed: Optional[torch.Tensor],
-    rm_scale: Optional[torch.Tensor],
-    rm_zero: Optional[torch.Tensor],
+    rm_packed: torch.Tensor | None,
+    rm_scale: torch.Tensor | None,
+    rm_zero: torch.Tensor | None,
 ) -> torch.Tensor:
     if rm_packed is None:
         return dequantize_kernel_weight(weight, scales_zeros, group_size)
@@ -151,7 +149,7 @@ def host_policy() -> KernelPolicy:
 
 
 def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
-    """"q8", "native", "amx", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M
+    """ "q8", "native", "amx", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M
     activation rows of an N x K weight."""
     q8_max, native_max, row_loop_max, tiles = host_policy()
     if m <= q8_max:
@@ -177,9 +175,9 @@ def cpu_int4_linear(
     weight: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-    rm_packed: Optional[torch.Tensor],
-    rm_scale: Optional[torch.Tensor],
-    rm_zero: Optional[torch.Tensor],
+    rm_packed: torch.Tensor | None,
+    rm_scale: torch.Tensor | None,
+    rm_zero: torch.Tensor | None,
 ) -> torch.Tensor:
     """x bf16 [M, K] @ W^T -> bf16 [M, N]; weight is the kernel buffer [N, K/2]."""
     check_activation_dtype(x)
@@ -202,9 +200,9 @@ def _cpu_int4_linear_fake(
     weight: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-    rm_packed: Optional[torch.Tensor],
-    rm_scale: Optional[torch.Tensor],
-    rm_zero: Optional[torch.Tensor],
+    rm_packed: torch.Tensor | None,
+    rm_scale: torch.Tensor | None,
+    rm_zero: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
@@ -214,9 +212,9 @@ def cpu_int4_embedding(
     weight: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-    rm_packed: Optional[torch.Tensor],
-    rm_scale: Optional[torch.Tensor],
-    rm_zero: Optional[torch.Tensor],
+    rm_packed: torch.Tensor | None,
+    rm_scale: torch.Tensor | None,
+    rm_zero: torch.Tensor | None,
 ) -> torch.Tensor:
     """Token ids [T] -> bf16 rows [T, K] of the quantized table."""
     if rm_packed is None:
@@ -231,9 +229,9 @@ def _cpu_int4_embedding_fake(
     weight: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-    rm_packed: Optional[torch.Tensor],
-    rm_scale: Optional[torch.Tensor],
-    rm_zero: Optional[torch.Tensor],
+    rm_packed: torch.Tensor | None,
+    rm_scale: torch.Tensor | None,
+    rm_zero: torch.Tensor | None,
 ) -> torch.Tensor:
     return torch.empty((ids.shape[0], weight.shape[1] * 2), dtype=torch.bfloat16, device=ids.device)
 
@@ -247,7 +245,7 @@ def native_linear_available() -> bool:
     return register_ops()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def register_ops() -> bool:
     """Define the Python ops and load the C++ ones with this host's policy, once per process (a second
     call is a no-op); True when the C++ int4_linear serves."""

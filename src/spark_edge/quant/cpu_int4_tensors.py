@@ -46,15 +46,21 @@ def check_cpu_int4_tensors(folder: Path, config: dict) -> None:
     for prefix in prefixes:
         packed = shapes[prefix + PACKED]
         if len(packed) != 2 or packed[0] % 16:
-            raise CheckpointError(f"{folder}: {prefix}{PACKED} has shape {list(packed)}; {QUANT_METHOD} needs "
-                                  f"[N, K/2] with N a multiple of 16")
+            raise CheckpointError(
+                f"{folder}: {prefix}{PACKED} has shape {list(packed)}; {QUANT_METHOD} needs "
+                f"[N, K/2] with N a multiple of 16"
+            )
         n, k = packed[0], packed[1] * 2
         if k % group:
-            raise CheckpointError(f"{folder}: {prefix}{PACKED} holds K={k} weights per row, not a multiple of "
-                                  f"the config's group size {group}")
+            raise CheckpointError(
+                f"{folder}: {prefix}{PACKED} holds K={k} weights per row, not a multiple of "
+                f"the config's group size {group}"
+            )
         for name in (SCALE, ZERO):
             got = shapes.get(prefix + name)
             if got != (n, k // group):
-                raise CheckpointError(f"{folder}: {prefix}{name} has shape {list(got) if got else 'none'}, "
-                                      f"expected [{n}, {k // group}] for {prefix}{PACKED} {list(packed)} at "
-                                      f"group size {group}")
+                raise CheckpointError(
+                    f"{folder}: {prefix}{name} has shape {list(got) if got else 'none'}, "
+                    f"expected [{n}, {k // group}] for {prefix}{PACKED} {list(packed)} at "
+                    f"group size {group}"
+                )

@@ -168,5 +168,7 @@ def dequantize_weight(q: GPTQWeight) -> torch.Tensor:
 
 def bits_per_weight(n: int, k: int, group_size: int) -> float:
     """Stored bits per weight of one layer: codes + scales + qzeros + g_idx."""
-    nbytes = sum(dtype.itemsize * torch.Size(shape).numel() for dtype, shape in tensor_shapes(n, k, group_size).values())
+    nbytes = sum(
+        dtype.itemsize * torch.Size(shape).numel() for dtype, shape in tensor_shapes(n, k, group_size).values()
+    )
     return nbytes * 8 / (n * k)

@@ -118,7 +118,9 @@ def quantize_groups(w: torch.Tensor, fractions: tuple[float, ...] = SHRINK_FRACT
             torch.where(better, err, best.sq_err),
         )
     assert best is not None
-    return GroupQuant(best.codes.to(torch.uint8), best.scale.to(torch.bfloat16), best.zero.to(torch.bfloat16), best.sq_err)
+    return GroupQuant(
+        best.codes.to(torch.uint8), best.scale.to(torch.bfloat16), best.zero.to(torch.bfloat16), best.sq_err
+    )
 
 
 def _rows_per_chunk(k: int, chunk_elements: int) -> int:

@@ -44,9 +44,18 @@ from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
-SOURCES = tuple(NATIVE_DIR / name for name in (
-    "int4_ops.cpp", "int4_gemm.cpp", "int4_gemm_q8.cpp", "int4_gemm_q8_avx2.cpp", "int4_gemm_bf16.cpp",
-    "int4_gemm_amx.cpp", "int4_dequant.cpp"))
+SOURCES = tuple(
+    NATIVE_DIR / name
+    for name in (
+        "int4_ops.cpp",
+        "int4_gemm.cpp",
+        "int4_gemm_q8.cpp",
+        "int4_gemm_q8_avx2.cpp",
+        "int4_gemm_bf16.cpp",
+        "int4_gemm_amx.cpp",
+        "int4_dequant.cpp",
+    )
+)
 HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "bf16_tiles.h", "int4_kernels.h", "int4_q8_common.h"))
 LIBRARY_NAME = "spark_edge_int4.so"
 # int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
@@ -69,23 +78,36 @@ def _torch_flags() -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [*(f"-I{p}" for p in cpp_extension.include_paths()), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
+    return [
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-L{p}" for p in cpp_extension.library_paths()),
+        "-lc10",
+        "-ltorch_cpu",
+    ]
 
 
 def _build_key(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = (*(s.read_bytes() for s in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
-             torch.__version__.encode(), (" ".join(all_cpu_flags()) or platform.processor()).encode(),
-             platform.machine().encode())
+    parts = (
+        *(s.read_bytes() for s in (*SOURCES, *HEADERS)),
+        " ".join(FLAGS).encode(),
+        version.encode(),
+        torch.__version__.encode(),
+        (" ".join(all_cpu_flags()) or platform.processor()).encode(),
+        platform.machine().encode(),
+    )
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def _kernel_dirs() -> tuple[Path, ...]:
     """Where libraries are looked for, in order, and built into (the first writable): beside the
     environment (`make`, the image build), the data folder (an image run on another CPU), /tmp."""
-    return (Path(sys.prefix) / "share" / "spark-edge" / "kernels", spark_edge_home() / "kernels",
-            Path(tempfile.gettempdir()) / "spark-edge-kernels")
+    return (
+        Path(sys.prefix) / "share" / "spark-edge" / "kernels",
+        spark_edge_home() / "kernels",
+        Path(tempfile.gettempdir()) / "spark-edge-kernels",
+    )
 
 
 def _writable(base: Path) -> bool:
@@ -118,7 +140,7 @@ def build_library() -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_library() -> None:
     """Load this host's library into torch.ops.spark_edge (once per process: a library is never unloaded)."""
     torch.ops.load_library(str(build_library()))
@@ -129,7 +151,9 @@ def _register_fakes() -> None:
     """Meta implementations, so torch.compile traces the ops by shape alone."""
 
     @torch.library.register_fake("spark_edge::int4_linear")
-    def _linear_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    def _linear_fake(
+        x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_gemm")
@@ -137,16 +161,21 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_gemm_q8")
-    def _gemm_q8_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                      form: int = 0) -> torch.Tensor:
+    def _gemm_q8_fake(
+        x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, form: int = 0
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_gemm_bf16")
-    def _gemm_bf16_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    def _gemm_bf16_fake(
+        x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_gemm_amx")
-    def _gemm_amx_fake(x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    def _gemm_amx_fake(
+        x: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("spark_edge::int4_dequant_t")
@@ -176,8 +205,9 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return codes.reshape(x.shape), d
 
 
-def gemm_q8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      group: int) -> torch.Tensor:
+def gemm_q8_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+) -> torch.Tensor:
     """float64 of what int4_gemm_q8 computes: integer dots of the int8 codes and the 4-bit codes per 32-K
     block, times the block's d, then the group's scale; the zero term from the bf16 activations' sums.
     `codes` are the unsigned 4-bit codes [N, K]; scale, zero [N, K / group]."""
@@ -202,8 +232,13 @@ def _self_check() -> None:
     16-channel tail (in every known layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups, row
     counts on both sides of the vector path's 8-row tile."""
     from spark_edge.quant.int4_asym import dequantize
-    from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, kernel_codes, \
-        pack_for_kernel, scales_and_zeros
+    from spark_edge.quant.tinygemm_layout import (
+        dequantize_kernel_weight,
+        detect_layout,
+        kernel_codes,
+        pack_for_kernel,
+        scales_and_zeros,
+    )
 
     ops = torch.ops.spark_edge
     gen = torch.Generator().manual_seed(0)
@@ -220,10 +255,14 @@ def _self_check() -> None:
     if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, weight):
         raise _Unavailable("the compiled int4 GEMM disagrees with the float64 reference")
     layout = detect_layout()
-    tile_gemms = {"bf16-tile": (ops.int4_bf16_tiles_supported, ops.int4_gemm_bf16),
-                  "AMX tile": (ops.int4_amx_tiles_supported, ops.int4_gemm_amx)}
+    tile_gemms = {
+        "bf16-tile": (ops.int4_bf16_tiles_supported, ops.int4_gemm_bf16),
+        "AMX tile": (ops.int4_amx_tiles_supported, ops.int4_gemm_amx),
+    }
     for name, (supported, gemm) in tile_gemms.items():  # their weights are the bf16 dequantization
-        if supported(layout.block, layout.halves) and not gemm_within_tolerance(gemm(x, buf, sz, group), x, want.float()):
+        if supported(layout.block, layout.halves) and not gemm_within_tolerance(
+            gemm(x, buf, sz, group), x, want.float()
+        ):
             raise _Unavailable(f"the compiled {name} int4 GEMM disagrees with the float64 reference")
     if ops.int4_q8_supported(64, k, group, layout.block, layout.halves):  # full blocks only
         x5, codes = x[:5], kernel_codes(buf)[:64]
@@ -232,11 +271,12 @@ def _self_check() -> None:
         for form in filter(ops.int4_q8_form_supported, Q8_FORMS.values()):
             got = ops.int4_gemm_q8(x5, buf[:64], sz[:, :64].contiguous(), group, form)
             if not gemm_q8_within_tolerance(got, reference, magnitude):
-                raise _Unavailable(f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the "
-                                   "float64 reference")
+                raise _Unavailable(
+                    f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the float64 reference"
+                )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_native_ops() -> bool:
     """Build (if needed), load, configure for this host's buffer layout and check the ops; False (the torch
     paths serve) with one warning saying why."""

@@ -58,9 +58,17 @@ class KernelLayout:
 
 # Most likely first: the AVX-512 and AVX2 kernels, then the portable kernel's block (four
 # float vectors: 16 channels with 128-bit NEON, 32 with 256-bit vectors), then wider ones.
-CANDIDATES = (KernelLayout(64, True), KernelLayout(32, True), KernelLayout(16, False), KernelLayout(32, False),
-              KernelLayout(64, False), KernelLayout(128, False), KernelLayout(256, False),
-              KernelLayout(128, True), KernelLayout(256, True))
+CANDIDATES = (
+    KernelLayout(64, True),
+    KernelLayout(32, True),
+    KernelLayout(16, False),
+    KernelLayout(32, False),
+    KernelLayout(64, False),
+    KernelLayout(128, False),
+    KernelLayout(256, False),
+    KernelLayout(128, True),
+    KernelLayout(256, True),
+)
 
 
 def kernel_supports(n: int) -> bool:
@@ -183,19 +191,22 @@ PROBE_CHANNELS = (16, 48, 64, 80, 192, 272, 528)
 def _probe_codes(n: int, k: int) -> torch.Tensor:
     # distinct codes per (row, k) neighbourhood, so a misplaced nibble cannot go unnoticed
     return ((torch.arange(n).unsqueeze(1) * 7 + torch.arange(k) * 3 + torch.arange(n).unsqueeze(1) // 16) % 16).to(
-        torch.uint8)
+        torch.uint8
+    )
 
 
 def _decodes(layout: KernelLayout, probes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bool:
     for n, (codes, packed) in probes.items():
         rows = torch.arange(n - 1, -1, -5)
-        if not (torch.equal(kernel_codes(packed, layout), codes)
-                and torch.equal(kernel_row_codes(packed, rows, layout), codes[rows])):
+        if not (
+            torch.equal(kernel_codes(packed, layout), codes)
+            and torch.equal(kernel_row_codes(packed, rows, layout), codes[rows])
+        ):
             return False
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detect_layout() -> KernelLayout:
     """The layout the running torch packs in (see the module docstring); raise LayoutError if none fits."""
     k = 64
@@ -204,11 +215,15 @@ def detect_layout() -> KernelLayout:
         codes = _probe_codes(n, k)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
-            raise LayoutError(f"int4 packer output is {tuple(packed.shape)} {packed.dtype}, "
-                              f"expected ({n}, {k // 2}) uint8 (torch {torch.__version__})")
+            raise LayoutError(
+                f"int4 packer output is {tuple(packed.shape)} {packed.dtype}, "
+                f"expected ({n}, {k // 2}) uint8 (torch {torch.__version__})"
+            )
         probes[n] = (codes, packed)
     for layout in CANDIDATES:
         if _decodes(layout, probes):
             return layout
-    raise LayoutError(f"the int4 kernel buffer of torch {torch.__version__} is in none of the known layouts "
-                      f"({'; '.join(c.name for c in CANDIDATES)})")
+    raise LayoutError(
+        f"the int4 kernel buffer of torch {torch.__version__} is in none of the known layouts "
+        f"({'; '.join(c.name for c in CANDIDATES)})"
+    )

@@ -19,8 +19,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from spark_edge.checkpoints.fingerprint import file_sha256
 
@@ -37,15 +38,22 @@ def hash_dir_of(artifact: Path) -> Path:
 
 def _tracked(hash_dir: Path) -> list[Path]:
     """Every file that decides what runs: not our digests, nor Inductor's lock files, nor temporaries."""
-    return sorted(p for p in hash_dir.rglob("*")
-                  if p.is_file() and not p.is_symlink() and p.name != DIGESTS_FILE
-                  and p.suffix not in (".lock", ".tmp") and "locks" not in p.relative_to(hash_dir).parts)
+    return sorted(
+        p
+        for p in hash_dir.rglob("*")
+        if p.is_file()
+        and not p.is_symlink()
+        and p.name != DIGESTS_FILE
+        and p.suffix not in (".lock", ".tmp")
+        and "locks" not in p.relative_to(hash_dir).parts
+    )
 
 
 def seal(hash_dir: Path) -> int:
     """Record size and sha256 of every tracked file under `hash_dir`; returns how many."""
-    files = {str(p.relative_to(hash_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
-             for p in _tracked(hash_dir)}
+    files = {
+        str(p.relative_to(hash_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in _tracked(hash_dir)
+    }
     tmp = hash_dir / f".{DIGESTS_FILE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, hash_dir / DIGESTS_FILE)  # never a half-written digest that would condemn a good cache
@@ -112,9 +120,12 @@ def discard_if_damaged(artifact: Path) -> list[tuple[str, str]]:
     damaged = damaged_files(hash_dir)
     if not damaged:
         return []
-    _LOG.warning("spark-edge: compile cache %s does not match its digests (%s); deleting %s so it is rebuilt",
-                 hash_dir, "; ".join(f"{name}: {why}" for name, why in damaged),
-                 "all of it" if damaged[0][0] == UNREADABLE else "the damaged files and the compiled artifact")
+    _LOG.warning(
+        "spark-edge: compile cache %s does not match its digests (%s); deleting %s so it is rebuilt",
+        hash_dir,
+        "; ".join(f"{name}: {why}" for name, why in damaged),
+        "all of it" if damaged[0][0] == UNREADABLE else "the damaged files and the compiled artifact",
+    )
     if damaged[0][0] == UNREADABLE:
         shutil.rmtree(hash_dir, ignore_errors=True)
         (hash_dir / "inductor_cache").mkdir(parents=True, exist_ok=True)  # vLLM made it before loading

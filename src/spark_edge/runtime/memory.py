@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from spark_edge.metrics.process_tree import rss_anon_bytes
 
@@ -71,6 +71,11 @@ def release_free_memory(what: str) -> Release | None:
     for call in calls.values():
         call()
     after = rss_anon_bytes(pid)
-    _LOG.info("spark-edge: released free heap memory after %s (%s): RssAnon %d MiB -> %d MiB",
-              what, "+".join(calls), before // _MIB, after // _MIB)
+    _LOG.info(
+        "spark-edge: released free heap memory after %s (%s): RssAnon %d MiB -> %d MiB",
+        what,
+        "+".join(calls),
+        before // _MIB,
+        after // _MIB,
+    )
     return Release(what, before, after, tuple(calls))

@@ -15,8 +15,9 @@ import importlib.machinery
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 _LOG = logging.getLogger("vllm.spark_edge.post_import")
 
@@ -50,8 +51,11 @@ def _run(name: str, module: ModuleType, callbacks: list[Callback]) -> None:
         try:
             callback(module)
         except Exception:  # a broken patch must never break vLLM's import
-            _LOG.exception("spark-edge: patching %s with %s failed; vLLM runs unpatched there",
-                           name, getattr(callback, "__name__", callback))
+            _LOG.exception(
+                "spark-edge: patching %s with %s failed; vLLM runs unpatched there",
+                name,
+                getattr(callback, "__name__", callback),
+            )
 
 
 def _fire(module: ModuleType) -> None:
@@ -81,8 +85,9 @@ class _NotifyingLoader(importlib.abc.Loader):
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: asks the finders after it, then wraps the loader of watched modules."""
 
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         with _lock:
             watched = fullname in _pending
         if not watched or getattr(_searching, "name", None) == fullname:
@@ -97,8 +102,9 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         spec.loader = _NotifyingLoader(spec.loader)
         return spec
 
-    def _find_with_others(self, fullname: str, path: Any, target: ModuleType | None
-                          ) -> importlib.machinery.ModuleSpec | None:
+    def _find_with_others(
+        self, fullname: str, path: Any, target: ModuleType | None
+    ) -> importlib.machinery.ModuleSpec | None:
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue

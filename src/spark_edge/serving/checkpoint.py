@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint

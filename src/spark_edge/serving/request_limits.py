@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 MIDDLEWARE = "spark_edge.serving.request_limits.BodySizeLimit"  # vLLM's --middleware import path
 LIMIT_ENV = "SPARK_EDGE_MAX_REQUEST_BYTES"
@@ -24,12 +25,28 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 async def _reply(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "RequestTooLarge" if status == 413 else "BadRequest",
-                                 "param": None, "code": status}}).encode()
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "RequestTooLarge" if status == 413 else "BadRequest",
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
     # Connection: close: what the client has not sent yet is never read
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

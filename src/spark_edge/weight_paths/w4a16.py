@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from spark_edge.checkpoints.architecture import Role, Structure, servable_structure
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
+from spark_edge.errors import CheckpointError
 from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
 from spark_edge.quant.int4_asym import bits_per_weight, quantize
 from spark_edge.quant.tinygemm_layout import kernel_supports
@@ -93,8 +94,9 @@ def _check_quantizable(item: _Item, group_size: int, tables: tuple[str, str]) ->
 
 def _plan(source: CheckpointSource, opts: _Options) -> list[_Item]:
     arch: Structure = servable_structure(source.hf_config())
-    items = [_Item(s.name, tuple(s.shape), _action(arch.role(s.name, tuple(s.shape)), opts))
-             for s in source.tensor_specs()]
+    items = [
+        _Item(s.name, tuple(s.shape), _action(arch.role(s.name, tuple(s.shape)), opts)) for s in source.tensor_specs()
+    ]
     for item in items:
         if item.action == "int4":
             _check_quantizable(item, opts.settings.group_size, (arch.embedding, arch.head))

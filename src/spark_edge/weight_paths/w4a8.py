@@ -8,7 +8,8 @@ symmetric (spark_edge.quant.int4_sym) and the tensors are AutoGPTQ's
 
 What is quantized: every Linear of the decoder blocks, as the architecture's own module
 tree says (spark_edge.checkpoints.architecture), and the output head.  Spark's head gate
-(g_proj) stays bf16: the model holds it as a plain parameter.  The head matters most: it is the largest matrix read per decode step,
+(g_proj) stays bf16: the model holds it as a plain parameter.  The head matters most: it is the largest matrix read
+per decode step,
 and a bf16 head alone costs more per step than all the 4-bit savings.  A tied source is
 therefore untied: the bf16 table stays for token lookup (vLLM's GPTQ method has no
 quantized embedding) and a 4-bit `lm_head` is written beside it.  A fused `qkv_proj` /
@@ -37,16 +38,17 @@ import functools
 import itertools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, servable_structure
-from spark_edge.errors import CheckpointError
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
+from spark_edge.errors import CheckpointError
 from spark_edge.models import spark_layout
 from spark_edge.quant import gptq_layout
 from spark_edge.quant.int4_sym import SCALE_DTYPE
@@ -101,7 +103,7 @@ def _options(params: dict[str, Any]) -> _Options:
     return _Options(group_size, params.get("search", False))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vllm_fused_modules(architecture: str) -> frozenset[str]:
     """The fused modules ("qkv_proj", "gate_up_proj") that vLLM's model for `architecture` loads from a tensor
     of that very name (its packed-module map lists the fused name alone), rather than from its parts."""
@@ -190,9 +192,7 @@ def _choose_group_size(items: list[_Item], requested: int | None) -> int:
     if requested is not None:
         for item in items:
             if item.action == "gptq" and item.shape[1] % requested:
-                raise CheckpointError(
-                    f"w4a8: group_size {requested} does not divide K={item.shape[1]} of {item.out}"
-                )
+                raise CheckpointError(f"w4a8: group_size {requested} does not divide K={item.shape[1]} of {item.out}")
         return requested
     return w4a8_group(item.shape[1] for item in items if item.action == "gptq")
 
@@ -322,7 +322,9 @@ def write_w4a8(source: CheckpointSource, out: Path, params: dict[str, Any]) -> d
     opts = _options(params)
     plan = _plan(source, opts)
     tensors: dict[str, Any] = {}
-    write_safetensors(out, _specs(plan.items, plan.group_size), _stream(source, plan.items, plan.group_size, opts.search, tensors))
+    write_safetensors(
+        out, _specs(plan.items, plan.group_size), _stream(source, plan.items, plan.group_size, opts.search, tensors)
+    )
     report = _report(plan, opts.search, tensors)
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     # untied: vLLM must build a separate (quantized) head instead of reusing the table
