@@ -35,3 +35,16 @@ def test_arm_specs() -> None:
     ):
         with pytest.raises(click.UsageError, match=message):
             parse_arm(bad)
+
+
+def test_allocator_variants_preload_debians_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spark_edge.runtime import allocator
+
+    for name, library in allocator.LIBRARIES.items():
+        preload = parse_arm(f"w4a16+{name}")[2]["LD_PRELOAD"]
+        assert preload.endswith(library)
+        found = allocator.library_path(name)
+        assert found is None or (found.is_file() and str(found) == preload)
+    assert parse_arm("w4a16+arena2")[2] == {"MALLOC_ARENA_MAX": "2"}
+    monkeypatch.setitem(allocator.LIBRARIES, "jemalloc", "libjemalloc.so.999")
+    assert allocator.library_path("jemalloc") is None  # not installed: the caller says so

