@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,25 @@ def test_api_key_guards_generation_but_not_probes(bf16_server: Server) -> None:
 def test_api_key_never_appears_in_the_logs(bf16_server: Server) -> None:
     assert "API key required" in bf16_server.log_path.read_text(errors="replace")
     assert bf16_server.api_key not in bf16_server.log_path.read_text(errors="replace")
+
+
+IDLE_WINDOW_S = 20
+
+
+def _tree_cpu_seconds(server: Server) -> float:
+    return _scrape(server)["spark_edge_process_cpu_seconds_total"]
+
+
+def test_an_idle_server_sleeps(w4a16_server: Server) -> None:
+    """The process tree's CPU counter: while it decodes the tree uses about its cores; once requests stop, next
+    to nothing (no busy-polling loop, no OpenMP spin). A ratio over a short window each, never a time limit."""
+    body = {"model": _model_name(w4a16_server), "prompt": "Once", "max_tokens": 256, "ignore_eos": True}
+    start, t0 = _tree_cpu_seconds(w4a16_server), time.monotonic()
+    assert w4a16_server.post("/v1/completions", body).status_code == 200
+    busy = (_tree_cpu_seconds(w4a16_server) - start) / (time.monotonic() - t0)
+    time.sleep(5)  # what follows a request (stat logging, allocator trims) settles
+    start, t0 = _tree_cpu_seconds(w4a16_server), time.monotonic()
+    time.sleep(IDLE_WINDOW_S)
+    idle = (_tree_cpu_seconds(w4a16_server) - start) / (time.monotonic() - t0)
+    print(f"\nprocess tree: {busy:.2f} cores decoding, {100 * idle:.2f}% of a core idle over {IDLE_WINDOW_S} s")
+    assert busy > 0.5 and idle < busy / 20, (busy, idle)
