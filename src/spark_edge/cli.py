@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from spark_edge import __version__
+from spark_edge import __version__, registry
 from spark_edge.errors import SparkEdgeError
 from spark_edge.serving.passthrough import VLLM_ARGS_ENV
 from spark_edge.settings import WEIGHT_PATH_CHOICES, serve_options
@@ -45,7 +45,9 @@ def main() -> None:
     type=click.Choice(WEIGHT_PATH_CHOICES),
     default="bf16",
     show_default=True,
-    help="Weight format to build.",
+    help="Weight format to build: "
+    + "; ".join(f"{path.name}: {path.summary}" for path in registry.WEIGHT_PATHS.values())
+    + ".",
 )
 @click.option(
     "--model",
