@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,7 +162,6 @@ class Image:
     fits: Callable[[DeviceProfile], bool]  # the probe's requirement
     arch: str  # the Debian/docker architecture it is built for
     recipe: str | None = None  # a shared recipe built after the image's own Dockerfile (repo-relative)
-    build_args: dict[str, str] = field(default_factory=dict)  # beyond IMAGE_ISA, WEIGHT_PATH and ARCH
 
     @property
     def dockerfile(self) -> str:
@@ -181,7 +180,6 @@ class Image:
             "WEIGHT_PATH": self.weight_path,
             "ARCH": self.arch,
             "SERVED_NAME": DEFAULT_MODEL_ID,
-            **self.build_args,
         }
 
 

@@ -60,7 +60,6 @@ QKV = ".self_attn.qkv_proj."
 FUSED_QKV = (QKV, spark_layout.QKV)
 GATE_UP = ".mlp.gate_up_proj."
 
-GROUP_SIZES = W4A8_GROUPS  # vLLM's GPTQ config accepts these (the registry records them with the default)
 # vLLM's CPU GPTQ kernel needs K and N of every Linear to be multiples of 32
 KERNEL_MULTIPLE = 32
 # ParallelLMHead pads the vocabulary to a multiple of 64; a quantized head only loads
@@ -96,9 +95,9 @@ def _options(params: dict[str, Any]) -> _Options:
         if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
             raise CheckpointError(f"w4a8: param {key} must be {kind.__name__}, got {value!r}")
     group_size = params.get("group_size")
-    if group_size is not None and group_size not in GROUP_SIZES:
+    if group_size is not None and group_size not in W4A8_GROUPS:
         raise CheckpointError(
-            f"w4a8: group_size {group_size} is not one vLLM's GPTQ method accepts ({', '.join(map(str, GROUP_SIZES))})"
+            f"w4a8: group_size {group_size} is not one vLLM's GPTQ method accepts ({', '.join(map(str, W4A8_GROUPS))})"
         )
     return _Options(group_size, params.get("search", False))
 
