@@ -142,9 +142,24 @@ if [ -n "$lock" ]; then
 fi
 start=$SECONDS
 previous=$(docker image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
+build_log=$(mktemp)
+trap 'rm -f "$build_log"' EXIT
 docker build --force-rm --network host --shm-size 1g "${platform[@]}" -f "$context/Dockerfile.$isa" \
-    "${build_args[@]}" --build-arg "INPUTS_HASH=$hash" -t "$tag" "$context" >&2
+    "${build_args[@]}" --build-arg "INPUTS_HASH=$hash" -t "$tag" "$context" | tee "$build_log" >&2
 [ -z "$lock" ] || flock -u 9
+remove_stale_stages() {
+    # Each build leaves its stages' images (requirements, deps, checkpoint, warm) untagged: the builder's
+    # cache, 4 GB apiece. This build's own are the cache from now on; those of earlier builds are removed
+    # (a CI run that had filled the disk with them failed). Only images carrying our recipe label.
+    local used id removed=0
+    used=$(sed -n 's/^ ---> \([0-9a-f]\{12\}\)$/\1/p' "$build_log" | sort -u)
+    for id in $(docker images -q --filter dangling=true --filter label=io.spark-edge.recipe); do
+        grep -qxF "$id" <<<"$used" && continue
+        docker image rm "$id" >/dev/null 2>&1 && removed=$((removed + 1))
+    done
+    [ "$removed" -eq 0 ] || log "removed $removed stage images of earlier builds"
+}
+remove_stale_stages
 # The image this tag named before is now untagged: 3-5 GB per rebuild that nothing uses. Removed unless
 # a container or another tag still holds it (then docker refuses, and that is fine).
 if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect --format '{{.Id}}' "$tag")" ]; then

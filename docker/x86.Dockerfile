@@ -6,6 +6,9 @@
 
 # --- os: Debian's Python 3.11, g++ for Inductor, libnuma (present already in spark-edge-base) ---
 FROM ${BASE_IMAGE} AS os
+# Every stage inherits this label: docker/build-image.sh finds the stage images that earlier builds
+# left untagged by it (and removes them), never touching another project's images.
+LABEL io.spark-edge.recipe="x86"
 SHELL ["/bin/sh", "-eu", "-c"]
 COPY docker/os-packages.txt docker/os-packages.sh /tmp/spark-edge-os/
 RUN /tmp/spark-edge-os/os-packages.sh /tmp/spark-edge-os/os-packages.txt \
