@@ -221,3 +221,16 @@ def test_the_tree_cpu_counter_grows_with_work_and_the_sampler_slows_once_ready()
     sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)
     assert (sampler.interval_s, sampler.rescan_s) == (SERVING_INTERVAL_S, SERVING_RESCAN_S)
     sampler.stop()  # wakes the slowed sampler at once: it waits on its stop event
+
+
+def test_the_rss_gauge_is_sampled_at_scrape_time_between_slow_samples() -> None:
+    sampler = TreeRssSampler(os.getpid(), interval_s=3600, rescan_s=3600).start()
+    time.sleep(0.05)  # the first sample (and listing) is taken at start
+    first = sampler.current
+    block = bytearray(64 << 20)  # 64 MiB of anonymous memory, touched
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    now = sampler.sample()
+    assert now - first >= 48 << 20 and sampler.current == now and sampler.peak >= now
+    del block
+    sampler.stop()

@@ -557,6 +557,105 @@ def test_cpu_worker_load_and_warm_up_are_wrapped_when_vllm_imports_them() -> Non
     assert run.returncode == 0 and "WRAPPED" in run.stdout, run.stderr[-3000:]
 
 
+# --- single-rank gloo groups share one device: one polling thread, not one per group ---------------
+
+_GLOO_GROUPS = textwrap.dedent("""
+    import os, sys
+    import torch
+    from spark_edge.runtime import fixes
+    if sys.argv[1] == "fixed":
+        fixes.apply_runtime_fixes()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method="tcp://127.0.0.1:" + sys.argv[2])
+        ps.initialize_model_parallel(1, 1)
+        # what vLLM runs on these groups at world size 1 reaches torch: barriers, object collectives
+        world = ps.get_world_group()
+        world.barrier()
+        assert world.broadcast_object({"step": 3}) == {"step": 3}
+        out = [None]
+        torch.distributed.all_gather_object(out, ("rank", 0), group=ps.get_tp_group().cpu_group)
+        assert out == [("rank", 0)], out
+        t = torch.arange(4.0)
+        torch.distributed.all_reduce(t, group=ps.get_tp_group().device_group)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
+        loops = sum(open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop"
+                    for tid in os.listdir("/proc/self/task"))
+        groups = len(torch.distributed.distributed_c10d._world.pg_map)
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    print("GLOO", loops, groups)
+""")
+
+
+def _gloo_loops(mode: str) -> tuple[int, int]:
+    from spark_edge.serving.server_process import free_port
+
+    run = subprocess.run(
+        [sys.executable, "-c", _GLOO_GROUPS, mode, str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    line = next((x for x in run.stdout.splitlines() if x.startswith("GLOO ")), None)
+    assert run.returncode == 0 and line, run.stderr[-3000:]
+    loops, groups = map(int, line.split()[1:])
+    return loops, groups
+
+
+def test_single_rank_gloo_groups_share_one_polling_thread_and_still_work() -> None:
+    fixed_loops, groups = _gloo_loops("fixed")
+    plain_loops, _ = _gloo_loops("plain")
+    assert groups > 1
+    assert fixed_loops == 1, f"{fixed_loops} gloo loop threads for {groups} groups"
+    assert plain_loops > 1  # what the fix corrects is still there without it (else: retire the fix)
+
+
+def test_groups_of_several_ranks_are_built_as_torch_builds_them() -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    class Gloo:
+        def __init__(self, *args: Any) -> None:
+            calls.append(args)
+
+        @staticmethod
+        def create_default_device() -> str:
+            return "device"
+
+    from datetime import timedelta
+
+    shared = fixes._shared_device_gloo(Gloo)
+    shared("store", 0, 2, timedelta(seconds=5))
+    assert calls == [("store", 0, 2, timedelta(seconds=5))]
+
+
+def test_uvicorn_ticks_once_a_second_refreshing_the_date_header_each_time() -> None:
+    import asyncio
+
+    import uvicorn
+
+    fixes._patch_uvicorn_tick(__import__("uvicorn.server", fromlist=["Server"]))
+    server = uvicorn.Server(uvicorn.Config(app=None))
+    assert getattr(uvicorn.Server.main_loop, fixes._MARK) == "uvicorn_tick"
+    ticks: list[int] = []
+    on_tick = server.on_tick
+
+    async def counting_tick(counter: int) -> bool:
+        ticks.append(counter)
+        return await on_tick(counter) or len(ticks) == 3
+
+    server.on_tick = counting_tick  # type: ignore[method-assign]
+    server.server_state = uvicorn.server.ServerState()
+    server.config.load()
+    start = time.monotonic()
+    asyncio.run(server.main_loop())
+    elapsed = time.monotonic() - start
+    assert ticks == [0, 10, 20]  # each a multiple of ten: the Date header is refreshed on every tick
+    assert elapsed >= 1.8, elapsed  # two sleeps of a second between the three ticks, not of 0.1 s
+    assert any(name == b"date" for name, _ in server.server_state.default_headers)
+    server.should_exit = True
+    assert asyncio.run(server.on_tick(30)) is True
+
+
 # --- a real engine, twice on one cache folder ----------------------------------------------------
 
 

@@ -147,7 +147,7 @@ class SparkEdgeCollector:
         f, sampler = self.facts, self.sampler
         hits, misses = compile_cache_counts(read_events(f.run_dir))
         return {
-            "spark_edge_process_rss_anon_bytes": [((), sampler.current)],
+            "spark_edge_process_rss_anon_bytes": [((), sampler.sample())],
             "spark_edge_process_rss_anon_peak_bytes": [((), sampler.peak)],
             "spark_edge_process_cpu_seconds_total": [((), tree_cpu_seconds(sampler.pids))],
             "spark_edge_load_rss_anon_peak_bytes": [((), f.load_peak_bytes)],
