@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+
+from spark_edge.planning.memory_plan import kv_bytes_for
+from spark_edge.planning.model_shape import ModelShape
 
 from spark_reference import _Weights
 
 # a fused tensor and the parts a GPTQ export writes instead (vLLM's loaders stack them again)
+# the engine run of engine_log_probs
+PROMPT_LEN = 256
+NEW_TOKENS = 16
+MAX_MODEL_LEN = 512
+BATCHED_TOKENS = 128  # the prompt is prefilled in two chunks
+
 FUSED_PARTS = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 
@@ -67,3 +78,54 @@ def reference_log_probs(checkpoint: Path, tokens: list[int], dtype: torch.dtype 
     in `dtype` (bfloat16: what rounding alone costs this model, the yardstick of a bf16 engine)."""
     logits = reference_model(checkpoint).to(dtype)(torch.tensor([tokens])).logits[0, :-1]
     return torch.log_softmax(logits.double(), dim=-1)
+
+
+def engine_log_probs(
+    checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None = None
+) -> dict[str, Any]:
+    """vLLM's offline engine on `checkpoint`: a seeded PROMPT_LEN-token prompt's log-probs and NEW_TOKENS greedy
+    tokens with theirs, over the whole vocabulary."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    for key, value in {"VLLM_CACHE_ROOT": str(cache_root), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    kv = kv_bytes_for(ModelShape.from_config(config), MAX_MODEL_LEN, 1, BATCHED_TOKENS)
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=2,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        kv_cache_memory_bytes=kv,
+        max_logprobs=-1,
+        enable_prefix_caching=False,
+        seed=0,
+        quantization=quantization,
+    )
+    try:
+        prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0, detokenize=False, ignore_eos=True, prompt_logprobs=-1, logprobs=-1
+        )
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    gen = out.outputs[0]
+    return {
+        "prompt": prompt,
+        "tokens": list(gen.token_ids),
+        "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], vocab),
+        "gen_lp": logprob_matrix(gen.logprobs, vocab),
+    }
+
+
+def deviation(run: dict[str, Any], reference: torch.Tensor) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(mean, max) |delta log-prob| on the prompt's positions and on the generated tokens'."""
+    n = len(run["prompt"])
+    prefill = (run["prompt_lp"] - reference[: n - 1]).abs()
+    decode = (run["gen_lp"] - reference[n - 1 : n - 1 + len(run["tokens"])]).abs()
+    return (float(prefill.mean()), float(prefill.max())), (float(decode.mean()), float(decode.max()))

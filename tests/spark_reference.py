@@ -65,12 +65,17 @@ def _int8_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (torch.round(xb / safe).clamp(-127, 127) * d).reshape(x.shape)
 
 
-def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
-    words = t[f"{prefix}.qweight"].to(torch.int64) & 0xFFFFFFFF  # [K/8, N]
+def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int, zero_offset: int) -> torch.Tensor:
+    """(q - z) * s per input column's group (g_idx; k // group without it), z = stored + zero_offset."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = t[f"{prefix}.qweight"].to(torch.int64) & 0xFFFFFFFF  # [K/8, N]
     codes = ((words.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, words.shape[1])  # [K, N]
-    scale = t[f"{prefix}.scales"].double().repeat_interleave(group, dim=0)  # [K, N]
-    return ((codes.double() - 8) * scale).t()
+    zwords = t[f"{prefix}.qzeros"].to(torch.int64) & 0xFFFFFFFF  # [G, N/8]
+    zeros = ((zwords.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF).reshape(zwords.shape[0], -1) + zero_offset
+    k = codes.shape[0]
+    g = t[f"{prefix}.g_idx"].long() if f"{prefix}.g_idx" in t else torch.arange(k) // group
+    scale = t[f"{prefix}.scales"].double()
+    return ((codes.double() - zeros[g].double()) * scale[g]).t()
 
 
 class _Weights:
@@ -81,6 +86,7 @@ class _Weights:
         q = config.get("quantization_config") or {}
         self.method = q.get("quant_method")
         self.group = int(q.get("group_size", 0))
+        self.zero_offset = 0 if q.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores zero point - 1
         if self.method not in (None, "cpu_int4", "gptq"):
             raise ValueError(f"reference: unknown quant_method {self.method!r}")
 
@@ -92,7 +98,7 @@ class _Weights:
         if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
             return sum(_cpu_int4_parts(self.t, prefix, self.group))
         if self.method == "gptq" and f"{prefix}.qweight" in self.t:
-            return _gptq_weight(self.t, prefix, self.group)
+            return _gptq_weight(self.t, prefix, self.group, self.zero_offset)
         raise KeyError(f"reference: no tensor for {name}")
 
     def parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

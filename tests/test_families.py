@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,10 +27,9 @@ import torch
 from spark_edge.checkpoints.architecture import structure
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models import synth
-from spark_edge.planning.memory_plan import kv_bytes_for
 from spark_edge.planning.model_shape import ModelShape
 
-from hf_reference import logprob_matrix, reference_log_probs
+from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
 
 FAMILIES = ("llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
 AMX = torch.cpu._is_amx_tile_supported()
@@ -46,10 +44,6 @@ PATHS = (
     ),
 )
 GROUP = 32  # w4a16's default; w4a8 chooses its own
-PROMPT_LEN = 256
-NEW_TOKENS = 16
-MAX_MODEL_LEN = 512
-BATCHED_TOKENS = 128  # the prompt is prefilled in two chunks
 # mean |delta log-prob| (nat) against the reference on the checkpoint's own weights, prefill and decode; the
 # 4-bit paths' decode runs int8 activations (w4a16's one-row kernel, w4a8's AMX kernel), which adds its noise
 MEAN_NAT = {"bf16": 0.1, "w4a16": 0.15, "w4a8": 0.5}
@@ -132,52 +126,6 @@ def test_the_plan_windows_the_layers_vllm_windows() -> None:
     assert shape("llama-3.2-1b").sliding_layers == 0
 
 
-def _engine_run(checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    for key, value in {"VLLM_CACHE_ROOT": str(cache_root), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    config = json.loads((checkpoint / "config.json").read_text())
-    vocab = int(config["vocab_size"])
-    kv = kv_bytes_for(ModelShape.from_config(config), MAX_MODEL_LEN, 1, BATCHED_TOKENS)
-    llm = LLM(
-        model=str(checkpoint),
-        dtype="bfloat16",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=2,
-        max_num_batched_tokens=BATCHED_TOKENS,
-        kv_cache_memory_bytes=kv,
-        max_logprobs=-1,
-        enable_prefix_caching=False,
-        seed=0,
-    )
-    try:
-        prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
-        params = SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0, detokenize=False, ignore_eos=True, prompt_logprobs=-1, logprobs=-1
-        )
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    gen = out.outputs[0]
-    return {
-        "prompt": prompt,
-        "tokens": list(gen.token_ids),
-        "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], vocab),
-        "gen_lp": logprob_matrix(gen.logprobs, vocab),
-    }
-
-
-def _deviation(run: dict[str, Any], reference: torch.Tensor) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(mean, max) |delta log-prob| on the prompt's positions and on the generated tokens'."""
-    n = len(run["prompt"])
-    prefill = (run["prompt_lp"] - reference[: n - 1]).abs()
-    decode = (run["gen_lp"] - reference[n - 1 : n - 1 + len(run["tokens"])]).abs()
-    return (float(prefill.mean()), float(prefill.max())), (float(decode.mean()), float(decode.max()))
-
-
 @pytest.mark.engine
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
@@ -185,11 +133,11 @@ def test_family_on_the_weight_path_matches_transformers(
     family: str, path: str, sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = _build(sources[family], path, tmp_path / path)
-    run = _engine_run(checkpoint, tmp_path / "vllm-cache", monkeypatch)
+    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch)
     assert len(run["tokens"]) == NEW_TOKENS
     sequence = run["prompt"] + run["tokens"]
     reference = reference_log_probs(checkpoint, sequence)
-    prefill, decode = _deviation(run, reference)
+    prefill, decode = deviation(run, reference)
     n = len(run["prompt"])
     rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
     bound = MEAN_NAT[path] + rounding
@@ -207,7 +155,7 @@ def test_family_on_the_weight_path_matches_transformers(
         assert torch.equal(torch.tensor(run["tokens"])[clear], top2.indices[clear, 0])
     else:
         # against the unquantized source the engine is further away than against its own decoded grid
-        source_dev = _deviation(run, reference_log_probs(sources[family], sequence))[0][0]
+        source_dev = deviation(run, reference_log_probs(sources[family], sequence))[0][0]
         print(f"{line}; against the unquantized weights: prefill {source_dev:.4f}")
         assert source_dev > 2 * prefill[0]
     assert prefill[0] < bound and decode[0] < bound

@@ -49,10 +49,10 @@ _NATIVE = "_cpu_int4_native"  # the C++ int4_linear serves this layer: decided a
 _TIED_TO = "_cpu_int4_tied_to"
 
 
-# -- shared by the linear and the embedding methods ---------------------------------------
+# -- shared by the linear and the embedding methods (and by cpu_int4_gptq's, once it has rearranged a layer) --
 
 
-def _check_shape(layer: Module, n: int, k: int, group_size: int) -> None:
+def check_shape(layer: Module, n: int, k: int, group_size: int) -> None:
     where = getattr(layer, "prefix", "") or type(layer).__name__
     if k % group_size:
         raise ValueError(f"cpu_int4: {where}: K={k} is not a multiple of group_size {group_size}")
@@ -84,7 +84,7 @@ def _create_checkpoint_params(layer: Module, n: int, k: int, group_size: int, we
         )
 
 
-def _build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
+def build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
     """Once per layer: tinygemm buffer + scales_and_zeros; free the row-major copy if unused."""
     if getattr(layer, _READY, False):
         return
@@ -108,7 +108,7 @@ def _rowmajor(layer: Module) -> tuple[torch.Tensor | None, torch.Tensor | None, 
     return layer.weight_packed, layer.weight_scale, layer.weight_zero
 
 
-def _apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+def apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     check_activation_dtype(x)
     weight = getattr(layer, KERNEL_WEIGHT)
     x2 = x.reshape(-1, x.shape[-1])
@@ -142,17 +142,17 @@ class _CpuInt4Weights:
         **extra_weight_attrs: Any,
     ) -> None:
         n, k, g = sum(output_partition_sizes), input_size_per_partition, self.settings.group_size
-        _check_shape(layer, n, k, g)
+        check_shape(layer, n, k, g)
         _create_checkpoint_params(layer, n, k, g, extra_weight_attrs["weight_loader"])
 
 
 @register_weight_loader_v2_supported_method  # so linear layers load our vLLM parameter classes
 class CpuInt4LinearMethod(_CpuInt4Weights, LinearMethodBase):
     def process_weights_after_loading(self, layer: Module) -> None:
-        _build_kernel_buffers(layer, self.settings)
+        build_kernel_buffers(layer, self.settings)
 
     def apply(self, layer: Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _apply_linear(layer, x, self.settings.group_size, bias)
+        return apply_linear(layer, x, self.settings.group_size, bias)
 
 
 # -- the token embedding and the LM head -----------------------------------------------------
@@ -174,7 +174,7 @@ class CpuInt4EmbeddingMethod(_CpuInt4Weights, QuantizeMethodBase):
     def process_weights_after_loading(self, layer: Module) -> None:
         source = getattr(layer, _TIED_TO, None)
         if source is None:
-            _build_kernel_buffers(layer, self.settings)
+            build_kernel_buffers(layer, self.settings)
             return
         # build once (in whichever order vLLM visits the two), then share every tensor
         source.quant_method.process_weights_after_loading(source)
@@ -199,4 +199,4 @@ class CpuInt4EmbeddingMethod(_CpuInt4Weights, QuantizeMethodBase):
         return rows.reshape(*input_.shape, weight.shape[1] * 2)
 
     def apply(self, layer: Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _apply_linear(layer, x, self.settings.group_size, bias)
+        return apply_linear(layer, x, self.settings.group_size, bias)

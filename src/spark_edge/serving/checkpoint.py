@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,14 +10,32 @@ from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
 from spark_edge.checkpoints.sources import model_id
 from spark_edge.paths import checkpoint_dir
+from spark_edge.quant import published_gptq
+
+# A published 4-bit checkpoint is served on the w4a16 path's kernels (repacked at load, never requantized).
+PUBLISHED_WEIGHT_PATH = "w4a16"
+
+
+def published_format(model: Path | None) -> str | None:
+    """The vLLM quantization method that reads a published 4-bit folder as it is (`--quantization`), or None
+    for anything else (a spark-edge build, a full-precision source, a GGUF)."""
+    config = None if model is None else Path(model) / "config.json"
+    if config is None or not config.is_file() or (Path(model) / MANIFEST_NAME).is_file():
+        return None
+    return published_gptq.METHOD if published_gptq.published_gptq(json.loads(config.read_text())) else None
 
 
 def checkpoint_for_serving(model: Path | None, weight_path: str, log: Callable[[str], None]) -> tuple[Path, str]:
     """Return (checkpoint folder, served model name).
 
-    A folder built by `spark-edge build` is served as it is, after its manifest check;
-    anything else (GGUF, plain HF folder, the default) is built into the data folder once.
+    A folder built by `spark-edge build` is served as it is, after its manifest check, and so is a published
+    4-bit checkpoint (GPTQ: read at load by cpu_int4_gptq); anything else (GGUF, plain HF folder, the default)
+    is built into the data folder once.
     """
+    if published_format(model):
+        if weight_path != PUBLISHED_WEIGHT_PATH:
+            log(f"{model} is a published 4-bit checkpoint; serving it as it is on the {PUBLISHED_WEIGHT_PATH} kernels")
+        return Path(model).absolute(), Path(model).name
     if model is not None and (Path(model) / MANIFEST_NAME).is_file():
         manifest = verify_checkpoint(Path(model))
         if manifest["inputs"]["weight_path"] != weight_path:
@@ -29,7 +48,9 @@ def checkpoint_for_serving(model: Path | None, weight_path: str, log: Callable[[
 
 def built_weight_path(model: Path | None) -> str | None:
     """The weight path a folder `spark-edge build` made was built for (its manifest; checked in full when
-    served), or None for anything else."""
+    served), that of a published 4-bit checkpoint, or None for anything else."""
+    if published_format(model):
+        return PUBLISHED_WEIGHT_PATH
     if model is None or not (Path(model) / MANIFEST_NAME).is_file():
         return None
     return str(read_manifest(Path(model))["inputs"]["weight_path"])

@@ -1,0 +1,190 @@
+"""A published GPTQ checkpoint (AutoGPTQ / GPTQModel export, 4-bit) read as it is, for the cpu_int4 kernels.
+
+Nothing is requantized: each layer's codes, zero points and scales are rearranged at load into cpu_int4's
+row-major form (spark_edge.quant.cpu_int4_layers), which then builds the kernel buffers as for a w4a16 build.
+
+| tensor  | dtype | shape      | content                                                            |
+|---------|-------|------------|--------------------------------------------------------------------|
+| qweight | int32 | [K/8, N]   | codes, K packed 8 per word (nibble i of word j: input 8j + i)      |
+| qzeros  | int32 | [G, N/8]   | zero point per group and output, N packed 8 per word                |
+| scales  | f16   | [G, N]     | scale per group and output                                          |
+| g_idx   | int32 | [K]        | the group of each input column (act-order: a permutation of k // g) |
+
+GPTQ decodes w[n, k] = (q - z) * s with z = stored + 1 for checkpoint_format "gptq" (v1: AutoGPTQ's
+packer stores the zero point minus one) and z = stored for "gptq_v2". cpu_int4 decodes (q - 8) * scale +
+zero, so scale = s and zero = (8 - z) * s. Both are bf16 there (the kernel's scales_and_zeros): the one
+rounding this conversion adds, a relative 2^-9 on each group's scale and offset, never on the codes.
+
+Act-order (desc_act, g_idx not k // g): the input columns are sorted by group once, at load, so each
+group is contiguous again, and the layer permutes its activations the same way before the GEMM.
+
+This module imports no vLLM: `serve` checks a folder with it before starting the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from spark_edge.errors import CheckpointError
+from spark_edge.quant.cpu_int4_config import GROUP_SIZES
+from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
+from spark_edge.quant.int4_asym import pack_nibbles
+
+SOURCE_METHOD = "gptq"  # quantization_config.quant_method of the checkpoints read here
+METHOD = "cpu_int4_gptq"  # the vLLM quantization method that reads them (passed as --quantization)
+FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero point
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+CODE_ZERO = 8  # cpu_int4's code offset
+
+
+@dataclass(frozen=True)
+class GptqFormat:
+    group_size: int
+    zero_offset: int  # 1 for v1 checkpoints, 0 for v2
+    sym: bool
+    desc_act: bool
+
+    @classmethod
+    def from_hf(cls, quant: dict[str, Any]) -> GptqFormat:
+        """Parse a GPTQ quantization_config; raise ValueError for what the cpu_int4 kernels cannot serve."""
+        if str(quant.get("quant_method", "")).lower() != SOURCE_METHOD:
+            raise ValueError(f"quant_method is {quant.get('quant_method')!r}, not {SOURCE_METHOD!r}")
+        if quant.get("bits") != 4:
+            raise ValueError(f"bits={quant.get('bits')!r}: only 4-bit GPTQ checkpoints are read")
+        group = quant.get("group_size")
+        if group not in GROUP_SIZES:
+            raise ValueError(f"group_size={group!r}: the cpu_int4 kernels take groups of {list(GROUP_SIZES)}")
+        fmt = quant.get("checkpoint_format", "gptq")
+        if fmt not in FORMATS:
+            raise ValueError(f"checkpoint_format={fmt!r}: known formats are {list(FORMATS)}")
+        if quant.get("dynamic"):
+            raise ValueError("per-module overrides ('dynamic') are not read: every layer must share one format")
+        if quant.get("lm_head"):
+            raise ValueError("a quantized lm_head is not read (the head is served in bf16)")
+        return cls(group, FORMATS[fmt], bool(quant.get("sym", True)), bool(quant.get("desc_act", False)))
+
+
+def published_gptq(config: dict[str, Any]) -> bool:
+    """Is this config.json a published GPTQ checkpoint's (whatever its settings)?"""
+    quant = config.get("quantization_config") or {}
+    return str(quant.get("quant_method", "")).lower() == SOURCE_METHOD
+
+
+# -- checked before the engine starts ------------------------------------------------------------
+
+
+def _headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    part = f.get_slice(name)
+                    found[name] = (part.get_dtype(), tuple(part.get_shape()))
+        except Exception as exc:  # safetensors raises its own error types for a damaged file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+    return found
+
+
+def _expect(folder: Path, name: str, got: tuple[str, tuple[int, ...]] | None, dtypes: set[str], shape: tuple) -> None:
+    if got is None:
+        raise CheckpointError(f"{folder}: {name} is missing (a GPTQ layer has {', '.join(SUFFIXES)})")
+    dtype, actual = got
+    if dtype not in dtypes or actual != shape:
+        raise CheckpointError(
+            f"{folder}: {name} is {dtype} {list(actual)}, expected {'/'.join(sorted(dtypes))} {list(shape)}"
+        )
+
+
+def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | None:
+    """For a published GPTQ folder: its format, after every quantized layer's four tensors were checked against
+    each other and the config (CheckpointError naming the first that does not fit); None for anything else."""
+    if not published_gptq(config):
+        return None
+    try:
+        fmt = GptqFormat.from_hf(config["quantization_config"])
+    except ValueError as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: GPTQ checkpoint not served: {exc}") from None
+    headers = _headers(folder)
+    prefixes = sorted(name.removesuffix(".qweight") for name in headers if name.endswith(".qweight"))
+    if not prefixes:
+        raise CheckpointError(f"{folder}: quantization_config says gptq, but no tensor is *.qweight")
+    for prefix in prefixes:
+        dtype, (k8, n) = headers[f"{prefix}.qweight"][0], headers[f"{prefix}.qweight"][1]
+        if dtype != "I32":
+            raise CheckpointError(f"{folder}: {prefix}.qweight is {dtype}, expected I32 (8 codes a word)")
+        k = k8 * PACK
+        if k % fmt.group_size or n % PACK:
+            raise CheckpointError(
+                f"{folder}: {prefix}.qweight {[k8, n]} holds K={k}, N={n}: K must be a multiple of the group size "
+                f"{fmt.group_size} and N of {PACK}"
+            )
+        groups = k // fmt.group_size
+        _expect(folder, f"{prefix}.qzeros", headers.get(f"{prefix}.qzeros"), {"I32"}, (groups, n // PACK))
+        _expect(folder, f"{prefix}.scales", headers.get(f"{prefix}.scales"), {"F16", "BF16", "F32"}, (groups, n))
+        _expect(folder, f"{prefix}.g_idx", headers.get(f"{prefix}.g_idx"), {"I32", "I64"}, (k,))
+    return fmt
+
+
+# -- at load: one layer into cpu_int4's form ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuInt4Parts:
+    packed: torch.Tensor  # uint8 [N, K/2], inputs in `order`
+    scale: torch.Tensor  # bf16 [N, G]
+    zero: torch.Tensor  # bf16 [N, G]
+    order: torch.Tensor | None  # int64 [K]: the activation columns the GEMM reads (None: as they come)
+
+
+def input_order(g_idx: torch.Tensor, group_size: int, where: str) -> torch.Tensor | None:
+    """The column order that makes each group contiguous; None when it already is (no act-order)."""
+    k = g_idx.numel()
+    g = g_idx.to(torch.int64)
+    if torch.equal(g, torch.arange(k) // group_size):
+        return None
+    if int(g.min()) < 0 or int(g.max()) >= k // group_size:
+        raise ValueError(f"{where}: g_idx holds groups {int(g.min())}..{int(g.max())}, not 0..{k // group_size - 1}")
+    counts = torch.bincount(g, minlength=k // group_size)
+    if bool((counts != group_size).any()):
+        raise ValueError(f"{where}: g_idx does not give every group {group_size} columns; it cannot be reordered")
+    return torch.sort(g, stable=True).indices
+
+
+def to_cpu_int4(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    fmt: GptqFormat,
+    where: str = "layer",
+) -> CpuInt4Parts:
+    """One GPTQ layer as cpu_int4's (codes, scale, zero), same decoded weights up to the bf16 rounding of
+    scale and zero (see the module docstring)."""
+    codes = unpack_along_dim0(qweight)  # [K, N]
+    order = input_order(g_idx, fmt.group_size, where)
+    if order is not None:
+        codes = codes.index_select(0, order)
+    z = unpack_along_dim1(qzeros).to(torch.float32) + fmt.zero_offset  # [G, N]
+    s = scales.to(torch.float32)
+    return CpuInt4Parts(
+        packed=pack_nibbles(codes.t().contiguous()),
+        scale=s.t().to(torch.bfloat16).contiguous(),
+        zero=((CODE_ZERO - z) * s).t().to(torch.bfloat16).contiguous(),
+        order=order,
+    )
+
+
+def dequantize_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, fmt: GptqFormat
+) -> torch.Tensor:
+    """float64 [N, K] as a GPTQ reader decodes it: (q - z) * s, each column with its g_idx group."""
+    codes = unpack_along_dim0(qweight).to(torch.float64)  # [K, N]
+    z = unpack_along_dim1(qzeros).to(torch.float64) + fmt.zero_offset  # [G, N]
+    g = g_idx.to(torch.int64)
+    return ((codes - z[g]) * scales.to(torch.float64)[g]).t()

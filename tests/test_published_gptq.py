@@ -1,0 +1,216 @@
+"""Published 4-bit GPTQ checkpoints served as they are (spark_edge.quant.published_gptq, cpu_int4_gptq).
+
+The checkpoints are written here as AutoGPTQ's v1 export lays them out: spark-edge's GPTQ writer (the w4a8
+path's, whose layout tests/test_families.py checks against vLLM's own GPTQ loader) on a tiny random Llama 3.2,
+its head left in bf16 as GPTQ exports leave it; then rewritten asymmetric with act-order (random zero points,
+a shuffled g_idx), the forms vLLM 0.32's own CPU GPTQ method refuses. Each is served by vLLM's offline engine
+through cpu_int4_gptq and compared with transformers on the checkpoint's own decoded weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints.manifest import MANIFEST_NAME
+from spark_edge.errors import CheckpointError
+from spark_edge.models import synth
+from spark_edge.quant import published_gptq as pg
+from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1, unpack_along_dim1
+from spark_edge.quant.int4_asym import unpack_nibbles
+from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving, published_format
+
+from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
+from spark_reference import _gptq_weight
+
+FAMILY = "llama-3.2-1b"
+MEAN_NAT = 0.15  # w4a16's bound in test_families: the same kernels, int8 activations in decode
+
+
+def _random_layer(k: int, n: int, group: int, seed: int, act_order: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(2, 14, (k // group, n), generator=gen)
+    g_idx = torch.arange(k, dtype=torch.int32) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return {
+        "qweight": pack_along_dim0(codes),
+        "qzeros": pack_along_dim1(zeros),
+        "scales": (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.float16),
+        "g_idx": g_idx,
+    }
+
+
+def _decode_cpu_int4(parts: pg.CpuInt4Parts, group: int) -> torch.Tensor:
+    codes = unpack_nibbles(parts.packed).double()  # [N, K]
+    scale = parts.scale.double().repeat_interleave(group, dim=1)
+    zero = parts.zero.double().repeat_interleave(group, dim=1)
+    return (codes - 8) * scale + zero
+
+
+@pytest.mark.parametrize("fmt_name", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("group", [32, 128])
+def test_a_layer_decodes_to_the_gptq_weights_up_to_bf16_scales(fmt_name: str, act_order: bool, group: int) -> None:
+    k, n = 512, 48
+    layer = _random_layer(k, n, group, seed=group + act_order, act_order=act_order)
+    fmt = pg.GptqFormat.from_hf({"quant_method": "gptq", "bits": 4, "group_size": group, "checkpoint_format": fmt_name})
+    parts = pg.to_cpu_int4(**layer, fmt=fmt)
+    reference = pg.dequantize_gptq(**layer, fmt=fmt)  # [N, K], columns as the checkpoint orders them
+    assert (parts.order is not None) == act_order
+    order = parts.order if act_order else torch.arange(k)
+    got = _decode_cpu_int4(parts, group)
+    want = reference[:, order]
+    # the only rounding: scale and zero to bf16, each a relative 2^-9 at most, times |q - 8| and 1
+    scale = layer["scales"].double()[layer["g_idx"].long()].t()[:, order]
+    bound = scale * (8 * 2.0**-8 + 16 * 2.0**-8)
+    assert bool(((got - want).abs() <= bound).all())
+    # and GEMM-equivalent: x[:, order] against the rearranged weights is x against the checkpoint's
+    x = torch.randn(3, k, dtype=torch.float64)
+    torch.testing.assert_close(x[:, order] @ got.t(), x @ reference.t(), rtol=0.02, atol=0.02)
+    # the independent decoder of the reference model reads the same weights from the same tensors
+    offset = pg.FORMATS[fmt_name]
+    torch.testing.assert_close(_gptq_weight({f"p.{s}": v for s, v in layer.items()}, "p", group, offset), reference)
+
+
+def test_g_idx_that_cannot_form_whole_groups_is_refused() -> None:
+    g_idx = torch.arange(256, dtype=torch.int32) // 32
+    g_idx[0] = 1  # group 0 gets 31 columns, group 1 gets 33
+    with pytest.raises(ValueError, match="every group 32 columns"):
+        pg.input_order(g_idx, 32, "model.layers.0.mlp.down_proj")
+
+
+# -- a tiny published checkpoint ---------------------------------------------------------------------
+
+
+def _publish(w4a8_build: Path, out: Path) -> Path:
+    """The w4a8 build as an AutoGPTQ export: no manifest, the head in bf16 (lm_head: false)."""
+    shutil.copytree(w4a8_build, out)
+    (out / MANIFEST_NAME).unlink()
+    tensors = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    group = config["quantization_config"]["group_size"]
+    head = _gptq_weight(tensors, "lm_head", group, 1)
+    for suffix in pg.SUFFIXES:
+        tensors.pop(f"lm_head.{suffix}")
+    tensors["lm_head.weight"] = head.to(torch.bfloat16).contiguous()
+    save_file(tensors, out / "model.safetensors")
+    config["quantization_config"]["lm_head"] = False
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _asym_act_order(published: Path, out: Path, seed: int = 11) -> Path:
+    """Rewrite every layer's zero points at random and shuffle its g_idx (one shuffle per input size, as q/k/v
+    and gate/up, fed the same activations, share GPTQ's act-order permutation)."""
+    shutil.copytree(published, out)
+    tensors = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    group = config["quantization_config"]["group_size"]
+    gen = torch.Generator().manual_seed(seed)
+    shuffles: dict[int, torch.Tensor] = {}
+    for name in [n for n in tensors if n.endswith(".qzeros")]:
+        prefix = name.removesuffix(".qzeros")
+        zeros = unpack_along_dim1(tensors[name])
+        tensors[name] = pack_along_dim1(torch.randint(4, 12, zeros.shape, generator=gen))
+        k = tensors[f"{prefix}.g_idx"].numel()
+        if k not in shuffles:
+            shuffles[k] = (torch.arange(k, dtype=torch.int32) // group)[torch.randperm(k, generator=gen)]
+        tensors[f"{prefix}.g_idx"] = shuffles[k].clone()
+    save_file(tensors, out / "model.safetensors")
+    config["quantization_config"].update(sym=False, desc_act=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("published-gptq")
+    source = synth.write_synthetic(FAMILY, root / "source", seed=3, small=True)
+    build = build_checkpoint(source, "w4a8", root / "w4a8").out
+    sym = _publish(build, root / "gptq-sym")
+    return {"sym": sym, "asym-act-order": _asym_act_order(sym, root / "gptq-asym-act-order")}
+
+
+def test_serve_takes_a_published_folder_as_it_is(published: dict[str, Path]) -> None:
+    folder = published["asym-act-order"]
+    before = sorted(p.name for p in folder.iterdir())
+    logged: list[str] = []
+    assert checkpoint_for_serving(folder, "w4a8", logged.append) == (folder.absolute(), folder.name)
+    assert logged and "as it is" in logged[0]
+    assert published_format(folder) == pg.METHOD and built_weight_path(folder) == "w4a16"
+    config = json.loads((folder / "config.json").read_text())
+    fmt = pg.check_gptq_tensors(folder, config)
+    assert fmt == pg.GptqFormat(group_size=config["quantization_config"]["group_size"], zero_offset=1, sym=False,
+                                desc_act=True)  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written into the user's folder
+
+
+def _damaged(published: Path, tmp_path: Path, edit_tensors=None, edit_quant=None) -> Path:
+    out = tmp_path / "damaged"
+    shutil.copytree(published, out)
+    if edit_tensors:
+        tensors = load_file(out / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, out / "model.safetensors")
+    if edit_quant:
+        config = json.loads((out / "config.json").read_text())
+        edit_quant(config["quantization_config"])
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+LAYER = "model.layers.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (dict(edit_tensors=lambda t: t.pop(f"{LAYER}.g_idx")), f"{LAYER}.g_idx is missing"),
+        (dict(edit_tensors=lambda t: t.update({f"{LAYER}.scales": t[f"{LAYER}.scales"][:-1].clone()})),
+         f"{LAYER}.scales is"),
+        (dict(edit_tensors=lambda t: t.update({f"{LAYER}.qzeros": t[f"{LAYER}.qzeros"].to(torch.int16)})),
+         f"{LAYER}.qzeros is I16"),
+        (dict(edit_quant=lambda q: q.update(bits=8)), "bits=8"),
+        (dict(edit_quant=lambda q: q.update(group_size=-1)), "group_size=-1"),
+        (dict(edit_quant=lambda q: q.update(lm_head=True)), "lm_head"),
+    ],
+    ids=["missing-g_idx", "truncated-scales", "wrong-dtype", "8-bit", "per-channel", "quantized-head"],
+)  # fmt: skip
+def test_a_damaged_or_unsupported_checkpoint_is_refused_naming_what(
+    published: dict[str, Path], tmp_path: Path, damage: dict, message: str
+) -> None:
+    folder = _damaged(published["sym"], tmp_path, **damage)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with pytest.raises(CheckpointError, match=message.replace(".", r"\.").replace("[", r"\[")) as info:
+        pg.check_gptq_tensors(folder, json.loads((folder / "config.json").read_text()))
+    assert info.value.exit_code == 3
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("variant", ["sym", "asym-act-order"])
+def test_a_published_gptq_checkpoint_on_cpu_int4_matches_transformers(
+    variant: str, published: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = published[variant]
+    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=pg.METHOD)
+    assert len(run["tokens"]) == NEW_TOKENS
+    sequence = run["prompt"] + run["tokens"]
+    reference = reference_log_probs(checkpoint, sequence)
+    prefill, decode = deviation(run, reference)
+    n = len(run["prompt"])
+    rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
+    print(
+        f"\n{FAMILY} published GPTQ {variant} on cpu_int4_gptq: mean/max |delta log-prob| prefill "
+        f"{prefill[0]:.4f}/{prefill[1]:.3f}, decode {decode[0]:.4f}/{decode[1]:.3f} nat (bf16 rounding costs the "
+        f"reference {rounding:.4f})"
+    )
+    assert prefill[0] < MEAN_NAT + rounding and decode[0] < MEAN_NAT + rounding
