@@ -78,6 +78,21 @@ def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int, zero_offse
     return ((codes.double() - zeros[g].double()) * scale[g]).t()
 
 
+def _ct_scheme(quant: dict) -> object:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    (scheme,) = QuantizationConfig.model_validate(quant).config_groups.values()
+    return scheme
+
+
+def _ct_weight(t: dict[str, torch.Tensor], prefix: str, scheme: object) -> torch.Tensor:
+    """Decoded by the compressed-tensors library itself (its pack-quantized decompressor)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    local = {k.removeprefix(prefix + "."): v for k, v in t.items() if k.startswith(prefix + ".weight_")}
+    return PackedQuantizationCompressor.decompress(local, scheme)["weight"].double()
+
+
 class _Weights:
     """Full-precision tensors by checkpoint name, whatever format the checkpoint stores them in."""
 
@@ -87,7 +102,8 @@ class _Weights:
         self.method = q.get("quant_method")
         self.group = int(q.get("group_size", 0))
         self.zero_offset = 0 if q.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores zero point - 1
-        if self.method not in (None, "cpu_int4", "gptq"):
+        self.ct_scheme = _ct_scheme(q) if self.method == "compressed-tensors" else None
+        if self.method not in (None, "cpu_int4", "gptq", "compressed-tensors"):
             raise ValueError(f"reference: unknown quant_method {self.method!r}")
 
     def get(self, name: str) -> torch.Tensor:
@@ -99,6 +115,8 @@ class _Weights:
             return sum(_cpu_int4_parts(self.t, prefix, self.group))
         if self.method == "gptq" and f"{prefix}.qweight" in self.t:
             return _gptq_weight(self.t, prefix, self.group, self.zero_offset)
+        if self.ct_scheme is not None and f"{prefix}.weight_packed" in self.t:
+            return _ct_weight(self.t, prefix, self.ct_scheme)
         raise KeyError(f"reference: no tensor for {name}")
 
     def parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:

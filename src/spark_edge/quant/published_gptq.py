@@ -11,12 +11,8 @@ row-major form (spark_edge.quant.cpu_int4_layers), which then builds the kernel 
 | g_idx   | int32 | [K]        | the group of each input column (act-order: a permutation of k // g) |
 
 GPTQ decodes w[n, k] = (q - z) * s with z = stored + 1 for checkpoint_format "gptq" (v1: AutoGPTQ's
-packer stores the zero point minus one) and z = stored for "gptq_v2". cpu_int4 decodes (q - 8) * scale +
-zero, so scale = s and zero = (8 - z) * s. Both are bf16 there (the kernel's scales_and_zeros): the one
-rounding this conversion adds, a relative 2^-9 on each group's scale and offset, never on the codes.
-
-Act-order (desc_act, g_idx not k // g): the input columns are sorted by group once, at load, so each
-group is contiguous again, and the layer permutes its activations the same way before the GEMM.
+packer stores the zero point minus one) and z = stored for "gptq_v2"; spark_edge.quant.rearrange_4bit turns
+that into cpu_int4's form (and sorts act-order's columns).
 
 This module imports no vLLM: `serve` checks a folder with it before starting the engine.
 """
@@ -28,18 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from spark_edge.errors import CheckpointError
+from spark_edge.quant.checkpoint_headers import expect_tensor, read_headers
 from spark_edge.quant.cpu_int4_config import GROUP_SIZES
 from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
-from spark_edge.quant.int4_asym import pack_nibbles
+from spark_edge.quant.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
 
 SOURCE_METHOD = "gptq"  # quantization_config.quant_method of the checkpoints read here
 METHOD = "cpu_int4_gptq"  # the vLLM quantization method that reads them (passed as --quantization)
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero point
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
-CODE_ZERO = 8  # cpu_int4's code offset
 
 
 @dataclass(frozen=True)
@@ -78,29 +73,6 @@ def published_gptq(config: dict[str, Any]) -> bool:
 # -- checked before the engine starts ------------------------------------------------------------
 
 
-def _headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    part = f.get_slice(name)
-                    found[name] = (part.get_dtype(), tuple(part.get_shape()))
-        except Exception as exc:  # safetensors raises its own error types for a damaged file
-            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
-    return found
-
-
-def _expect(folder: Path, name: str, got: tuple[str, tuple[int, ...]] | None, dtypes: set[str], shape: tuple) -> None:
-    if got is None:
-        raise CheckpointError(f"{folder}: {name} is missing (a GPTQ layer has {', '.join(SUFFIXES)})")
-    dtype, actual = got
-    if dtype not in dtypes or actual != shape:
-        raise CheckpointError(
-            f"{folder}: {name} is {dtype} {list(actual)}, expected {'/'.join(sorted(dtypes))} {list(shape)}"
-        )
-
-
 def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | None:
     """For a published GPTQ folder: its format, after every quantized layer's four tensors were checked against
     each other and the config (CheckpointError naming the first that does not fit); None for anything else."""
@@ -110,7 +82,7 @@ def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | Non
         fmt = GptqFormat.from_hf(config["quantization_config"])
     except ValueError as exc:
         raise CheckpointError(f"{folder / 'config.json'}: GPTQ checkpoint not served: {exc}") from None
-    headers = _headers(folder)
+    headers = read_headers(folder)
     prefixes = sorted(name.removesuffix(".qweight") for name in headers if name.endswith(".qweight"))
     if not prefixes:
         raise CheckpointError(f"{folder}: quantization_config says gptq, but no tensor is *.qweight")
@@ -125,35 +97,15 @@ def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | Non
                 f"{fmt.group_size} and N of {PACK}"
             )
         groups = k // fmt.group_size
-        _expect(folder, f"{prefix}.qzeros", headers.get(f"{prefix}.qzeros"), {"I32"}, (groups, n // PACK))
-        _expect(folder, f"{prefix}.scales", headers.get(f"{prefix}.scales"), {"F16", "BF16", "F32"}, (groups, n))
-        _expect(folder, f"{prefix}.g_idx", headers.get(f"{prefix}.g_idx"), {"I32", "I64"}, (k,))
+        expect_tensor(folder, headers, f"{prefix}.qzeros", {"I32"}, (groups, n // PACK))
+        expect_tensor(folder, headers, f"{prefix}.scales", {"F16", "BF16", "F32"}, (groups, n))
+        expect_tensor(folder, headers, f"{prefix}.g_idx", {"I32", "I64"}, (k,))
+    if fmt.desc_act:
+        check_shared_order(folder, [f"{prefix}.g_idx" for prefix in prefixes])
     return fmt
 
 
 # -- at load: one layer into cpu_int4's form ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CpuInt4Parts:
-    packed: torch.Tensor  # uint8 [N, K/2], inputs in `order`
-    scale: torch.Tensor  # bf16 [N, G]
-    zero: torch.Tensor  # bf16 [N, G]
-    order: torch.Tensor | None  # int64 [K]: the activation columns the GEMM reads (None: as they come)
-
-
-def input_order(g_idx: torch.Tensor, group_size: int, where: str) -> torch.Tensor | None:
-    """The column order that makes each group contiguous; None when it already is (no act-order)."""
-    k = g_idx.numel()
-    g = g_idx.to(torch.int64)
-    if torch.equal(g, torch.arange(k) // group_size):
-        return None
-    if int(g.min()) < 0 or int(g.max()) >= k // group_size:
-        raise ValueError(f"{where}: g_idx holds groups {int(g.min())}..{int(g.max())}, not 0..{k // group_size - 1}")
-    counts = torch.bincount(g, minlength=k // group_size)
-    if bool((counts != group_size).any()):
-        raise ValueError(f"{where}: g_idx does not give every group {group_size} columns; it cannot be reordered")
-    return torch.sort(g, stable=True).indices
 
 
 def to_cpu_int4(
@@ -164,20 +116,10 @@ def to_cpu_int4(
     fmt: GptqFormat,
     where: str = "layer",
 ) -> CpuInt4Parts:
-    """One GPTQ layer as cpu_int4's (codes, scale, zero), same decoded weights up to the bf16 rounding of
-    scale and zero (see the module docstring)."""
-    codes = unpack_along_dim0(qweight)  # [K, N]
-    order = input_order(g_idx, fmt.group_size, where)
-    if order is not None:
-        codes = codes.index_select(0, order)
-    z = unpack_along_dim1(qzeros).to(torch.float32) + fmt.zero_offset  # [G, N]
-    s = scales.to(torch.float32)
-    return CpuInt4Parts(
-        packed=pack_nibbles(codes.t().contiguous()),
-        scale=s.t().to(torch.bfloat16).contiguous(),
-        zero=((CODE_ZERO - z) * s).t().to(torch.bfloat16).contiguous(),
-        order=order,
-    )
+    """One GPTQ layer as cpu_int4's (codes, scale, zero): the same decoded weights up to bf16 scales."""
+    codes = unpack_along_dim0(qweight).t()  # [N, K]
+    zeros = unpack_along_dim1(qzeros).to(torch.int32) + fmt.zero_offset  # [G, N]
+    return cpu_int4_parts(codes, zeros.t(), scales.t(), g_idx, fmt.group_size, where)
 
 
 def dequantize_gptq(

@@ -1,10 +1,12 @@
-"""Published 4-bit GPTQ checkpoints served as they are (spark_edge.quant.published_gptq, cpu_int4_gptq).
+"""Published 4-bit checkpoints served as they are: GPTQ (cpu_int4_gptq) and compressed-tensors (cpu_int4_ct).
 
-The checkpoints are written here as AutoGPTQ's v1 export lays them out: spark-edge's GPTQ writer (the w4a8
+GPTQ checkpoints are written here as AutoGPTQ's v1 export lays them out: spark-edge's GPTQ writer (the w4a8
 path's, whose layout tests/test_families.py checks against vLLM's own GPTQ loader) on a tiny random Llama 3.2,
 its head left in bf16 as GPTQ exports leave it; then rewritten asymmetric with act-order (random zero points,
-a shuffled g_idx), the forms vLLM 0.32's own CPU GPTQ method refuses. Each is served by vLLM's offline engine
-through cpu_int4_gptq and compared with transformers on the checkpoint's own decoded weights.
+a shuffled g_idx), the forms vLLM 0.32's own CPU GPTQ method refuses. compressed-tensors checkpoints are written
+by the compressed-tensors library's own pack-quantized compressor (asymmetric; symmetric with act-order), and
+the reference decodes them with its decompressor. Each is served by vLLM's offline engine through its method
+and compared with transformers on the checkpoint's own decoded weights.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from spark_edge.checkpoints.architecture import structure
 from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.manifest import MANIFEST_NAME
 from spark_edge.errors import CheckpointError
 from spark_edge.models import synth
+from spark_edge.quant import published_ct as pct
 from spark_edge.quant import published_gptq as pg
+from spark_edge.quant import rearrange_4bit
 from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1, unpack_along_dim1
 from spark_edge.quant.int4_asym import unpack_nibbles
 from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving, published_format
@@ -48,7 +53,7 @@ def _random_layer(k: int, n: int, group: int, seed: int, act_order: bool) -> dic
     }
 
 
-def _decode_cpu_int4(parts: pg.CpuInt4Parts, group: int) -> torch.Tensor:
+def _decode_cpu_int4(parts: rearrange_4bit.CpuInt4Parts, group: int) -> torch.Tensor:
     codes = unpack_nibbles(parts.packed).double()  # [N, K]
     scale = parts.scale.double().repeat_interleave(group, dim=1)
     zero = parts.zero.double().repeat_interleave(group, dim=1)
@@ -84,7 +89,7 @@ def test_g_idx_that_cannot_form_whole_groups_is_refused() -> None:
     g_idx = torch.arange(256, dtype=torch.int32) // 32
     g_idx[0] = 1  # group 0 gets 31 columns, group 1 gets 33
     with pytest.raises(ValueError, match="every group 32 columns"):
-        pg.input_order(g_idx, 32, "model.layers.0.mlp.down_proj")
+        rearrange_4bit.input_order(g_idx, 32, "model.layers.0.mlp.down_proj")
 
 
 # -- a tiny published checkpoint ---------------------------------------------------------------------
@@ -136,20 +141,107 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     source = synth.write_synthetic(FAMILY, root / "source", seed=3, small=True)
     build = build_checkpoint(source, "w4a8", root / "w4a8").out
     sym = _publish(build, root / "gptq-sym")
-    return {"sym": sym, "asym-act-order": _asym_act_order(sym, root / "gptq-asym-act-order")}
+    return {
+        "sym": sym,
+        "asym-act-order": _asym_act_order(sym, root / "gptq-asym-act-order"),
+        "ct-asym": _write_ct(source, root / "ct-asym", symmetric=False, act_order=False),
+        "ct-sym-act-order": _write_ct(source, root / "ct-sym-act-order", symmetric=True, act_order=True),
+    }
 
 
-def test_serve_takes_a_published_folder_as_it_is(published: dict[str, Path]) -> None:
-    folder = published["asym-act-order"]
+def _write_ct(source: Path, out: Path, symmetric: bool, act_order: bool, group: int = 32) -> Path:
+    """Every decoder Linear quantized and packed by compressed-tensors itself (min-max group scales, as its
+    memoryless observer computes them), the config its QuantizationConfig dumps; table and tied head kept."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group,
+        actorder="group" if act_order else None,
+    )  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    config = json.loads((source / "config.json").read_text())
+    linears = set(structure(config).linears)
+    gen = torch.Generator().manual_seed(7)
+    orders: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name not in linears:
+            tensors[name] = tensor
+            continue
+        w = tensor.float()
+        n, k = w.shape
+        g_idx = torch.arange(k, dtype=torch.int32) // group
+        if act_order:  # one column order per merged layer's parts (they read the same activations)
+            key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            if key not in orders:
+                orders[key] = torch.randperm(k, generator=gen)
+            g_idx = g_idx[orders[key]]
+        grouped = w[:, torch.sort(g_idx.long(), stable=True).indices].view(n, k // group, group)
+        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}
+        if act_order:
+            state["weight_g_idx"] = g_idx
+        prefix = name.removesuffix(".weight")
+        for key, value in PackedQuantizationCompressor.compress(state, scheme).items():
+            tensors[f"{prefix}.{key}"] = value.contiguous()
+    out.mkdir()
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    save_file(tensors, out / "model.safetensors")
+    quant = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="pack-quantized", ignore=["lm_head"], quantization_status="compressed"
+    )
+    config["quantization_config"] = quant.model_dump(mode="json")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def test_a_ct_layer_decodes_as_the_library_decodes_it(published: dict[str, Path]) -> None:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    for variant in ("ct-asym", "ct-sym-act-order"):
+        folder = published[variant]
+        config = json.loads((folder / "config.json").read_text())
+        fmt = pct.CtFormat.from_hf(config["quantization_config"])
+        tensors = load_file(folder / "model.safetensors")
+        p = "model.layers.1.mlp.down_proj"
+        parts = pct.to_cpu_int4(
+            tensors[f"{p}.weight_packed"], tensors[f"{p}.weight_scale"], tensors.get(f"{p}.weight_zero_point"),
+            tensors.get(f"{p}.weight_g_idx"), fmt,
+        )  # fmt: skip
+        local = {k.removeprefix(p + "."): v for k, v in tensors.items() if k.startswith(p + ".weight_")}
+        (scheme,) = QuantizationConfig.model_validate(config["quantization_config"]).config_groups.values()
+        want = PackedQuantizationCompressor.decompress(local, scheme)["weight"].double()
+        order = parts.order if parts.order is not None else torch.arange(want.shape[1])
+        assert (parts.order is not None) == fmt.act_order
+        got = _decode_cpu_int4(parts, fmt.group_size)
+        scale = tensors[f"{p}.weight_scale"].double().abs().max()
+        assert float((got - want[:, order]).abs().max()) <= float(scale) * 24 * 2.0**-8
+
+
+@pytest.mark.parametrize("variant", ["asym-act-order", "ct-asym"])
+def test_serve_takes_a_published_folder_as_it_is(variant: str, published: dict[str, Path]) -> None:
+    folder = published[variant]
     before = sorted(p.name for p in folder.iterdir())
     logged: list[str] = []
     assert checkpoint_for_serving(folder, "w4a8", logged.append) == (folder.absolute(), folder.name)
     assert logged and "as it is" in logged[0]
-    assert published_format(folder) == pg.METHOD and built_weight_path(folder) == "w4a16"
+    method = pct.METHOD if variant.startswith("ct-") else pg.METHOD
+    assert published_format(folder) == method and built_weight_path(folder) == "w4a16"
     config = json.loads((folder / "config.json").read_text())
-    fmt = pg.check_gptq_tensors(folder, config)
-    assert fmt == pg.GptqFormat(group_size=config["quantization_config"]["group_size"], zero_offset=1, sym=False,
-                                desc_act=True)  # fmt: skip
+    if method == pg.METHOD:
+        assert pct.check_ct_tensors(folder, config) is None
+        fmt = pg.check_gptq_tensors(folder, config)
+        assert fmt == pg.GptqFormat(group_size=config["quantization_config"]["group_size"], zero_offset=1,
+                                    sym=False, desc_act=True)  # fmt: skip
+    else:
+        assert pg.check_gptq_tensors(folder, config) is None
+        assert pct.check_ct_tensors(folder, config) == pct.CtFormat(32, symmetric=False, act_order=False,
+                                                                    ignore=("lm_head",))  # fmt: skip
     assert sorted(p.name for p in folder.iterdir()) == before  # nothing written into the user's folder
 
 
@@ -195,13 +287,59 @@ def test_a_damaged_or_unsupported_checkpoint_is_refused_naming_what(
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
 
 
+CT_LAYER = "model.layers.0.self_attn.o_proj"
+
+
+def _cut(tensors: dict[str, torch.Tensor], name: str) -> None:
+    tensors[name] = tensors[name][:, :1].clone()
+
+
+def _ct_group(edit):  # noqa: ANN001, ANN202
+    return lambda q: edit(q["config_groups"]["group_0"])
+
+
+def test_act_order_parts_of_a_merged_layer_with_different_orders_are_refused(
+    published: dict[str, Path], tmp_path: Path
+) -> None:
+    k_name = "model.layers.0.self_attn.k_proj.weight_g_idx"
+    folder = _damaged(
+        published["ct-sym-act-order"], tmp_path, edit_tensors=lambda t: t.update({k_name: t[k_name].flip(0)})
+    )
+    with pytest.raises(CheckpointError, match="q_proj.weight_g_idx and .*k_proj.weight_g_idx differ"):
+        pct.check_ct_tensors(folder, json.loads((folder / "config.json").read_text()))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (dict(edit_tensors=lambda t: t.pop(f"{CT_LAYER}.weight_scale")), f"{CT_LAYER}.weight_scale is missing"),
+        (dict(edit_tensors=lambda t: _cut(t, f"{CT_LAYER}.weight_zero_point")), f"{CT_LAYER}.weight_zero_point is I32"),
+        (dict(edit_quant=_ct_group(lambda g: g["weights"].update(num_bits=8))), "8-bit"),
+        (dict(edit_quant=lambda q: q.update(format="int-quantized")), "int-quantized"),
+        (dict(edit_quant=_ct_group(lambda g: g.update(input_activations={"num_bits": 8, "type": "int"}))),
+         "not weight-only"),
+    ],
+    ids=["missing-scale", "truncated-zero-point", "8-bit", "naive-format", "w4a8"],
+)  # fmt: skip
+def test_a_damaged_or_unsupported_ct_checkpoint_is_refused_naming_what(
+    published: dict[str, Path], tmp_path: Path, damage: dict, message: str
+) -> None:
+    folder = _damaged(published["ct-asym"], tmp_path, **damage)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with pytest.raises(CheckpointError, match=message.replace(".", r"\.")) as info:
+        pct.check_ct_tensors(folder, json.loads((folder / "config.json").read_text()))
+    assert info.value.exit_code == 3
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("variant", ["sym", "asym-act-order"])
-def test_a_published_gptq_checkpoint_on_cpu_int4_matches_transformers(
+@pytest.mark.parametrize("variant", ["sym", "asym-act-order", "ct-asym", "ct-sym-act-order"])
+def test_a_published_checkpoint_on_cpu_int4_matches_transformers(
     variant: str, published: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = published[variant]
-    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=pg.METHOD)
+    method = pct.METHOD if variant.startswith("ct-") else pg.METHOD
+    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=method)
     assert len(run["tokens"]) == NEW_TOKENS
     sequence = run["prompt"] + run["tokens"]
     reference = reference_log_probs(checkpoint, sequence)
@@ -209,7 +347,7 @@ def test_a_published_gptq_checkpoint_on_cpu_int4_matches_transformers(
     n = len(run["prompt"])
     rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
     print(
-        f"\n{FAMILY} published GPTQ {variant} on cpu_int4_gptq: mean/max |delta log-prob| prefill "
+        f"\n{FAMILY} published {variant} on {method}: mean/max |delta log-prob| prefill "
         f"{prefill[0]:.4f}/{prefill[1]:.3f}, decode {decode[0]:.4f}/{decode[1]:.3f} nat (bf16 rounding costs the "
         f"reference {rounding:.4f})"
     )
