@@ -78,6 +78,21 @@ def _gptq_weight(t: dict[str, torch.Tensor], prefix: str, group: int, zero_offse
     return ((codes.double() - zeros[g].double()) * scale[g]).t()
 
 
+def _awq_weight(t: dict[str, torch.Tensor], prefix: str, group: int) -> torch.Tensor:
+    """(q - z) * s, unpacked with the nibble order of vLLM's own AWQ reader."""
+    from vllm.model_executor.layers.quantization.auto_awq import _REVERSE_AWQ_PACK_ORDER
+
+    shifts = torch.tensor(_REVERSE_AWQ_PACK_ORDER, dtype=torch.int64) * 4
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(w.shape[0], -1).double()
+
+    codes, zeros = unpack(t[f"{prefix}.qweight"]), unpack(t[f"{prefix}.qzeros"])  # [K, N], [G, N]
+    g = torch.arange(codes.shape[0]) // group
+    return ((codes - zeros[g]) * t[f"{prefix}.scales"].double()[g]).t()
+
+
 def _ct_scheme(quant: dict) -> object:
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -103,7 +118,7 @@ class _Weights:
         self.group = int(q.get("group_size", 0))
         self.zero_offset = 0 if q.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores zero point - 1
         self.ct_scheme = _ct_scheme(q) if self.method == "compressed-tensors" else None
-        if self.method not in (None, "cpu_int4", "gptq", "compressed-tensors"):
+        if self.method not in (None, "cpu_int4", "gptq", "awq", "compressed-tensors"):
             raise ValueError(f"reference: unknown quant_method {self.method!r}")
 
     def get(self, name: str) -> torch.Tensor:
@@ -115,6 +130,8 @@ class _Weights:
             return sum(_cpu_int4_parts(self.t, prefix, self.group))
         if self.method == "gptq" and f"{prefix}.qweight" in self.t:
             return _gptq_weight(self.t, prefix, self.group, self.zero_offset)
+        if self.method == "awq" and f"{prefix}.qweight" in self.t:
+            return _awq_weight(self.t, prefix, self.group)
         if self.ct_scheme is not None and f"{prefix}.weight_packed" in self.t:
             return _ct_weight(self.t, prefix, self.ct_scheme)
         raise KeyError(f"reference: no tensor for {name}")

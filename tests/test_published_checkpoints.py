@@ -1,11 +1,13 @@
-"""Published 4-bit checkpoints served as they are: GPTQ (cpu_int4_gptq) and compressed-tensors (cpu_int4_ct).
+"""Published 4-bit checkpoints served as they are: GPTQ (cpu_int4_gptq), AWQ (cpu_int4_awq) and
+compressed-tensors (cpu_int4_ct).
 
 GPTQ checkpoints are written here as AutoGPTQ's v1 export lays them out: spark-edge's GPTQ writer (the w4a8
 path's, whose layout tests/test_families.py checks against vLLM's own GPTQ loader) on a tiny random Llama 3.2,
 its head left in bf16 as GPTQ exports leave it; then rewritten asymmetric with act-order (random zero points,
 a shuffled g_idx), the forms vLLM 0.32's own CPU GPTQ method refuses. compressed-tensors checkpoints are written
 by the compressed-tensors library's own pack-quantized compressor (asymmetric; symmetric with act-order), and
-the reference decodes them with its decompressor. Each is served by vLLM's offline engine through its method
+the reference decodes them with its decompressor. AWQ checkpoints are packed by vLLM's own `awq_pack` and decoded
+in the reference with the nibble order of vLLM's AWQ reader. Each is served by vLLM's offline engine through its method
 and compared with transformers on the checkpoint's own decoded weights.
 """
 
@@ -17,22 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from published_exports import asym_act_order_gptq, publish_gptq, write_awq, write_ct
 from safetensors.torch import load_file, save_file
 
-from spark_edge.checkpoints.architecture import structure
 from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.checkpoints.manifest import MANIFEST_NAME
 from spark_edge.errors import CheckpointError
 from spark_edge.models import synth
+from spark_edge.quant import published_awq as pawq
 from spark_edge.quant import published_ct as pct
 from spark_edge.quant import published_gptq as pg
 from spark_edge.quant import rearrange_4bit
-from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1, unpack_along_dim1
+from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1
 from spark_edge.quant.int4_asym import unpack_nibbles
 from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving, published_format
 
 from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
-from spark_reference import _gptq_weight
+from spark_reference import _awq_weight, _gptq_weight
 
 FAMILY = "llama-3.2-1b"
 MEAN_NAT = 0.15  # w4a16's bound in test_families: the same kernels, int8 activations in decode
@@ -51,6 +53,10 @@ def _random_layer(k: int, n: int, group: int, seed: int, act_order: bool) -> dic
         "scales": (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.float16),
         "g_idx": g_idx,
     }
+
+
+def _method(variant: str) -> str:
+    return pct.METHOD if variant.startswith("ct-") else pawq.METHOD if variant == "awq" else pg.METHOD
 
 
 def _decode_cpu_int4(parts: rearrange_4bit.CpuInt4Parts, group: int) -> torch.Tensor:
@@ -95,108 +101,19 @@ def test_g_idx_that_cannot_form_whole_groups_is_refused() -> None:
 # -- a tiny published checkpoint ---------------------------------------------------------------------
 
 
-def _publish(w4a8_build: Path, out: Path) -> Path:
-    """The w4a8 build as an AutoGPTQ export: no manifest, the head in bf16 (lm_head: false)."""
-    shutil.copytree(w4a8_build, out)
-    (out / MANIFEST_NAME).unlink()
-    tensors = load_file(out / "model.safetensors")
-    config = json.loads((out / "config.json").read_text())
-    group = config["quantization_config"]["group_size"]
-    head = _gptq_weight(tensors, "lm_head", group, 1)
-    for suffix in pg.SUFFIXES:
-        tensors.pop(f"lm_head.{suffix}")
-    tensors["lm_head.weight"] = head.to(torch.bfloat16).contiguous()
-    save_file(tensors, out / "model.safetensors")
-    config["quantization_config"]["lm_head"] = False
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
-def _asym_act_order(published: Path, out: Path, seed: int = 11) -> Path:
-    """Rewrite every layer's zero points at random and shuffle its g_idx (one shuffle per input size, as q/k/v
-    and gate/up, fed the same activations, share GPTQ's act-order permutation)."""
-    shutil.copytree(published, out)
-    tensors = load_file(out / "model.safetensors")
-    config = json.loads((out / "config.json").read_text())
-    group = config["quantization_config"]["group_size"]
-    gen = torch.Generator().manual_seed(seed)
-    shuffles: dict[int, torch.Tensor] = {}
-    for name in [n for n in tensors if n.endswith(".qzeros")]:
-        prefix = name.removesuffix(".qzeros")
-        zeros = unpack_along_dim1(tensors[name])
-        tensors[name] = pack_along_dim1(torch.randint(4, 12, zeros.shape, generator=gen))
-        k = tensors[f"{prefix}.g_idx"].numel()
-        if k not in shuffles:
-            shuffles[k] = (torch.arange(k, dtype=torch.int32) // group)[torch.randperm(k, generator=gen)]
-        tensors[f"{prefix}.g_idx"] = shuffles[k].clone()
-    save_file(tensors, out / "model.safetensors")
-    config["quantization_config"].update(sym=False, desc_act=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
 @pytest.fixture(scope="module")
 def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("published-gptq")
     source = synth.write_synthetic(FAMILY, root / "source", seed=3, small=True)
     build = build_checkpoint(source, "w4a8", root / "w4a8").out
-    sym = _publish(build, root / "gptq-sym")
+    sym = publish_gptq(build, root / "gptq-sym")
     return {
         "sym": sym,
-        "asym-act-order": _asym_act_order(sym, root / "gptq-asym-act-order"),
-        "ct-asym": _write_ct(source, root / "ct-asym", symmetric=False, act_order=False),
-        "ct-sym-act-order": _write_ct(source, root / "ct-sym-act-order", symmetric=True, act_order=True),
+        "asym-act-order": asym_act_order_gptq(sym, root / "gptq-asym-act-order"),
+        "ct-asym": write_ct(source, root / "ct-asym", symmetric=False, act_order=False),
+        "ct-sym-act-order": write_ct(source, root / "ct-sym-act-order", symmetric=True, act_order=True),
+        "awq": write_awq(source, root / "awq"),
     }
-
-
-def _write_ct(source: Path, out: Path, symmetric: bool, act_order: bool, group: int = 32) -> Path:
-    """Every decoder Linear quantized and packed by compressed-tensors itself (min-max group scales, as its
-    memoryless observer computes them), the config its QuantizationConfig dumps; table and tied head kept."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    args = QuantizationArgs(
-        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group,
-        actorder="group" if act_order else None,
-    )  # fmt: skip
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    config = json.loads((source / "config.json").read_text())
-    linears = set(structure(config).linears)
-    gen = torch.Generator().manual_seed(7)
-    orders: dict[str, torch.Tensor] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in load_file(source / "model.safetensors").items():
-        if name not in linears:
-            tensors[name] = tensor
-            continue
-        w = tensor.float()
-        n, k = w.shape
-        g_idx = torch.arange(k, dtype=torch.int32) // group
-        if act_order:  # one column order per merged layer's parts (they read the same activations)
-            key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
-            if key not in orders:
-                orders[key] = torch.randperm(k, generator=gen)
-            g_idx = g_idx[orders[key]]
-        grouped = w[:, torch.sort(g_idx.long(), stable=True).indices].view(n, k // group, group)
-        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}
-        if act_order:
-            state["weight_g_idx"] = g_idx
-        prefix = name.removesuffix(".weight")
-        for key, value in PackedQuantizationCompressor.compress(state, scheme).items():
-            tensors[f"{prefix}.{key}"] = value.contiguous()
-    out.mkdir()
-    for f in source.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    save_file(tensors, out / "model.safetensors")
-    quant = QuantizationConfig(
-        config_groups={"group_0": scheme}, format="pack-quantized", ignore=["lm_head"], quantization_status="compressed"
-    )
-    config["quantization_config"] = quant.model_dump(mode="json")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def test_a_ct_layer_decodes_as_the_library_decodes_it(published: dict[str, Path]) -> None:
@@ -223,17 +140,36 @@ def test_a_ct_layer_decodes_as_the_library_decodes_it(published: dict[str, Path]
         assert float((got - want[:, order]).abs().max()) <= float(scale) * 24 * 2.0**-8
 
 
-@pytest.mark.parametrize("variant", ["asym-act-order", "ct-asym"])
+def test_an_awq_layer_decodes_as_vllms_awq_order_reads_it(published: dict[str, Path]) -> None:
+    folder = published["awq"]
+    config = json.loads((folder / "config.json").read_text())
+    fmt = pawq.AwqFormat.from_hf(config["quantization_config"])
+    assert pawq.check_awq_tensors(folder, config) == fmt
+    tensors = load_file(folder / "model.safetensors")
+    p = "model.layers.1.self_attn.q_proj"
+    parts = pawq.to_cpu_int4(tensors[f"{p}.qweight"], tensors[f"{p}.qzeros"], tensors[f"{p}.scales"], fmt)
+    want = _awq_weight(tensors, p, fmt.group_size)
+    scale = float(tensors[f"{p}.scales"].double().abs().max())
+    assert parts.order is None
+    assert float((_decode_cpu_int4(parts, fmt.group_size) - want).abs().max()) <= scale * 24 * 2.0**-8
+    bad = {**config["quantization_config"], "version": "gemv"}
+    with pytest.raises(ValueError, match="GEMM layout"):
+        pawq.AwqFormat.from_hf(bad)
+
+
+@pytest.mark.parametrize("variant", ["asym-act-order", "ct-asym", "awq"])
 def test_serve_takes_a_published_folder_as_it_is(variant: str, published: dict[str, Path]) -> None:
     folder = published[variant]
     before = sorted(p.name for p in folder.iterdir())
     logged: list[str] = []
     assert checkpoint_for_serving(folder, "w4a8", logged.append) == (folder.absolute(), folder.name)
     assert logged and "as it is" in logged[0]
-    method = pct.METHOD if variant.startswith("ct-") else pg.METHOD
+    method = _method(variant)
     assert published_format(folder) == method and built_weight_path(folder) == "w4a16"
     config = json.loads((folder / "config.json").read_text())
-    if method == pg.METHOD:
+    if method == pawq.METHOD:
+        assert pg.check_gptq_tensors(folder, config) is None and pct.check_ct_tensors(folder, config) is None
+    elif method == pg.METHOD:
         assert pct.check_ct_tensors(folder, config) is None
         fmt = pg.check_gptq_tensors(folder, config)
         assert fmt == pg.GptqFormat(group_size=config["quantization_config"]["group_size"], zero_offset=1,
@@ -333,12 +269,12 @@ def test_a_damaged_or_unsupported_ct_checkpoint_is_refused_naming_what(
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("variant", ["sym", "asym-act-order", "ct-asym", "ct-sym-act-order"])
+@pytest.mark.parametrize("variant", ["sym", "asym-act-order", "ct-asym", "ct-sym-act-order", "awq"])
 def test_a_published_checkpoint_on_cpu_int4_matches_transformers(
     variant: str, published: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = published[variant]
-    method = pct.METHOD if variant.startswith("ct-") else pg.METHOD
+    method = _method(variant)
     run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=method)
     assert len(run["tokens"]) == NEW_TOKENS
     sequence = run["prompt"] + run["tokens"]

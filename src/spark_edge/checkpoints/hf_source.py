@@ -44,7 +44,10 @@ class HFSource:
         if not self._config.get("architectures"):
             raise CheckpointError(f"{config_path}: no 'architectures' entry")
         if "quantization_config" in self._config:
-            raise CheckpointError(f"{self.path}: already quantized; build from a full-precision checkpoint")
+            raise CheckpointError(
+                f"{self.path}: already quantized; build from a full-precision checkpoint, or serve a published "
+                "GPTQ, AWQ or compressed-tensors folder as it is: spark-edge serve --model FOLDER"
+            )
         self._files = sorted(self.path.glob("*.safetensors"))
         if not self._files:
             hint = (

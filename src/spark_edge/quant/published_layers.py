@@ -19,7 +19,7 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from spark_edge.quant import published_ct, published_gptq
+from spark_edge.quant import published_awq, published_ct, published_gptq
 from spark_edge.quant.cpu_int4_layers import apply_linear, build_kernel_buffers, check_shape
 from spark_edge.quant.gptq_layout import PACK
 from spark_edge.quant.rearrange_4bit import CpuInt4Parts
@@ -93,6 +93,38 @@ class GptqLinearMethod(_PublishedInt4LinearMethod):
 
 
 @register_weight_loader_v2_supported_method
+class AwqLinearMethod(_PublishedInt4LinearMethod):
+    loaded = published_awq.SUFFIXES
+
+    def create_weights(
+        self,
+        layer: Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        n, k, g = sum(output_partition_sizes), input_size_per_partition, self.config.fmt.group_size
+        check_shape(layer, n, k, g)
+        common = {"input_dim": 0, "output_dim": 1, "weight_loader": extra_weight_attrs["weight_loader"]}
+        packed = {"packed_dim": 1, "packed_factor": PACK, **common}  # both along N, in AWQ's nibble order
+        layer.register_parameter(
+            "qweight", PackedvLLMParameter(data=torch.empty(k, n // PACK, dtype=torch.int32), **packed)
+        )
+        layer.register_parameter(
+            "qzeros", PackedvLLMParameter(data=torch.empty(k // g, n // PACK, dtype=torch.int32), **packed)
+        )
+        layer.register_parameter("scales", GroupQuantScaleParameter(data=torch.empty(k // g, n), **common))
+
+    def rearrange(self, layer: Module, where: str) -> CpuInt4Parts:
+        return published_awq.to_cpu_int4(
+            layer.qweight.data, layer.qzeros.data, layer.scales.data, self.config.fmt, where
+        )
+
+
+@register_weight_loader_v2_supported_method
 class CompressedTensorsLinearMethod(_PublishedInt4LinearMethod):
     loaded = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
@@ -137,5 +169,6 @@ class CompressedTensorsLinearMethod(_PublishedInt4LinearMethod):
 
 LINEAR_METHODS: dict[str, type[_PublishedInt4LinearMethod]] = {
     published_gptq.METHOD: GptqLinearMethod,
+    published_awq.METHOD: AwqLinearMethod,
     published_ct.METHOD: CompressedTensorsLinearMethod,
 }

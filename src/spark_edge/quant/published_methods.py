@@ -1,5 +1,6 @@
 """vLLM quantization methods for published 4-bit checkpoints, served on the cpu_int4 kernels:
-"cpu_int4_gptq" (GPTQ exports) and "cpu_int4_ct" (compressed-tensors pack-quantized W4A16).
+"cpu_int4_gptq" (GPTQ exports), "cpu_int4_awq" (AutoAWQ GEMM exports) and "cpu_int4_ct" (compressed-tensors
+pack-quantized W4A16).
 
 Registered out of tree like cpu_int4 (the plugin imports this module in every vLLM process). vLLM picks one
 only when asked (`--quantization NAME`, which `spark-edge serve` passes for such a folder): spark-edge's own
@@ -19,7 +20,7 @@ from torch.nn import Module
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from spark_edge.quant import published_ct, published_gptq
+from spark_edge.quant import published_awq, published_ct, published_gptq
 from spark_edge.quant.cpu_int4_config import CpuInt4Settings
 
 
@@ -86,6 +87,24 @@ class CpuInt4GptqConfig(_PublishedInt4Config):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CpuInt4GptqConfig:
         return cls(published_gptq.GptqFormat.from_hf(config))
+
+
+@register_quantization_config(published_awq.METHOD)
+class CpuInt4AwqConfig(_PublishedInt4Config):
+    """An AutoAWQ (GEMM) checkpoint's quantization_config."""
+
+    method, source_method = published_awq.METHOD, published_awq.SOURCE_METHOD
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["quant_config.json", "quantize_config.json"]  # what older AutoAWQ exports write beside config.json
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CpuInt4AwqConfig:
+        return cls(published_awq.AwqFormat.from_hf(config))
+
+    def is_quantized(self, prefix: str) -> bool:
+        return not any(module in prefix for module in self.fmt.not_converted)  # as vLLM's AWQ matches them
 
 
 @register_quantization_config(published_ct.METHOD)

@@ -10,7 +10,7 @@ from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
 from spark_edge.checkpoints.sources import model_id
 from spark_edge.paths import checkpoint_dir
-from spark_edge.quant import published_ct, published_gptq
+from spark_edge.quant import published_awq, published_ct, published_gptq
 
 # A published 4-bit checkpoint is served on the w4a16 path's kernels (repacked at load, never requantized).
 PUBLISHED_WEIGHT_PATH = "w4a16"
@@ -23,16 +23,21 @@ def published_format(model: Path | None) -> str | None:
     if config is None or not config.is_file() or (Path(model) / MANIFEST_NAME).is_file():
         return None
     hf = json.loads(config.read_text())
-    if published_gptq.published_gptq(hf):
-        return published_gptq.METHOD
-    return published_ct.METHOD if published_ct.published_ct(hf) else None
+    for reader, found in (
+        (published_gptq.METHOD, published_gptq.published_gptq),
+        (published_awq.METHOD, published_awq.published_awq),
+        (published_ct.METHOD, published_ct.published_ct),
+    ):
+        if found(hf):
+            return reader
+    return None
 
 
 def checkpoint_for_serving(model: Path | None, weight_path: str, log: Callable[[str], None]) -> tuple[Path, str]:
     """Return (checkpoint folder, served model name).
 
     A folder built by `spark-edge build` is served as it is, after its manifest check, and so is a published
-    4-bit checkpoint (GPTQ, compressed-tensors: read at load by cpu_int4_gptq / cpu_int4_ct); anything else
+    4-bit checkpoint (GPTQ, AWQ, compressed-tensors: read at load by cpu_int4_gptq / _awq / _ct); anything else
     (GGUF, plain HF folder, the default) is built into the data folder once.
     """
     if published_format(model):

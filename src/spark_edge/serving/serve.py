@@ -30,6 +30,7 @@ from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
+from spark_edge.quant.published_awq import check_awq_tensors
 from spark_edge.quant.published_ct import check_ct_tensors
 from spark_edge.quant.published_gptq import check_gptq_tensors
 from spark_edge.runtime.cache_digests import seal_used
@@ -191,6 +192,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         config = json.loads((checkpoint / "config.json").read_text())
         check_cpu_int4_tensors(checkpoint, config)
         check_gptq_tensors(checkpoint, config)
+        check_awq_tensors(checkpoint, config)
         check_ct_tensors(checkpoint, config)
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
