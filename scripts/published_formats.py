@@ -50,8 +50,9 @@ def checkpoints(work: Path, group: int) -> dict[str, Path]:
         publish_gptq(build_checkpoint(None, "w4a8", work / "w4a8", {"group_size": group}).out, arms["gptq-sym"])
     if not arms["ct-asym"].exists():
         write_ct(bf16, arms["ct-asym"], symmetric=False, act_order=False, group=group)
-    if not arms["ct-asym-decoded-bf16"].exists():
-        ct_decoded_bf16(arms["ct-asym"], arms["ct-asym-decoded-bf16"])
+    if not arms["ct-asym-decoded-bf16"].exists():  # built like any plain source: served under the folder's name
+        decoded = ct_decoded_bf16(arms["ct-asym"], work / "ct-asym-decoded")
+        build_checkpoint(decoded, "bf16", arms["ct-asym-decoded-bf16"])
     if not arms["awq"].exists():
         write_awq(bf16, arms["awq"], group=group)
     if not arms["ct-sym-act-order"].exists():
@@ -74,8 +75,7 @@ def main() -> None:
     for p in range(args.passes):
         for tag, folder in arms.items():  # interleaved: a drift of the host hits every arm alike
             log = args.work / f"{tag}-{p}.log"
-            serve_args = ("--weight-path", "bf16") if tag.endswith("-bf16") else ()
-            r = run_arm(tag, folder, vocab, args.work / "home", log, 3, serve_args, fidelity_windows=windows)
+            r = run_arm(tag, folder, vocab, args.work / "home", log, reps=3, fidelity_windows=windows)
             results[tag].append(r)
             print(
                 f"pass {p + 1}: {tag}: tg128 {r.tg128_tps:.1f} tok/s, pp512 {r.pp512_tps:.0f} tok/s, "
