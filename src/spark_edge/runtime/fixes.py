@@ -1,4 +1,5 @@
-"""Every runtime patch spark-edge applies to vLLM (0.32, CPU build), in one place.
+"""Every runtime patch spark-edge applies to vLLM (0.32, CPU build), in one place; with two of the libraries
+vLLM's processes run on (torch's gloo process groups, uvicorn's tick), patched for what vLLM makes them do.
 
 vLLM's files are never edited: `apply_runtime_fixes()` wraps a few functions at runtime. It is
 called from the `vllm.general_plugins` entry point, which vLLM runs in each of its processes
