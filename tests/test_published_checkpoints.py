@@ -31,7 +31,12 @@ from spark_edge.quant import published_gptq as pg
 from spark_edge.quant import rearrange_4bit
 from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1
 from spark_edge.quant.int4_asym import unpack_nibbles
-from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving, published_format
+from spark_edge.serving.checkpoint import (
+    built_weight_path,
+    check_published_tensors,
+    checkpoint_for_serving,
+    published_format,
+)
 
 from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
 from spark_reference import _awq_weight, _gptq_weight
@@ -108,6 +113,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     build = build_checkpoint(source, "w4a8", root / "w4a8").out
     sym = publish_gptq(build, root / "gptq-sym")
     return {
+        "w4a8-build": build,
         "sym": sym,
         "asym-act-order": asym_act_order_gptq(sym, root / "gptq-asym-act-order"),
         "ct-asym": write_ct(source, root / "ct-asym", symmetric=False, act_order=False),
@@ -138,6 +144,13 @@ def test_a_ct_layer_decodes_as_the_library_decodes_it(published: dict[str, Path]
         got = _decode_cpu_int4(parts, fmt.group_size)
         scale = tensors[f"{p}.weight_scale"].double().abs().max()
         assert float((got - want[:, order]).abs().max()) <= float(scale) * 24 * 2.0**-8
+
+
+def test_spark_edges_own_w4a8_build_is_not_read_as_a_published_checkpoint(published: dict[str, Path]) -> None:
+    """A w4a8 build is GPTQ with a 4-bit head, for vLLM's own method: not ours, and not refused as one of ours."""
+    build = published["w4a8-build"]
+    assert published_format(build) is None and built_weight_path(build) == "w4a8"
+    check_published_tensors(build, json.loads((build / "config.json").read_text()))  # does not raise
 
 
 def test_an_awq_layer_decodes_as_vllms_awq_order_reads_it(published: dict[str, Path]) -> None:

@@ -62,3 +62,16 @@ def built_weight_path(model: Path | None) -> str | None:
     if model is None or not (Path(model) / MANIFEST_NAME).is_file():
         return None
     return str(read_manifest(Path(model))["inputs"]["weight_path"])
+
+
+def check_published_tensors(folder: Path, config: dict) -> None:
+    """A published 4-bit folder's tensors against its config (CheckpointError naming the first that does not fit);
+    nothing for anything else: spark-edge's own w4a8 builds are GPTQ too, and vLLM's own method reads them."""
+    checks = {
+        published_gptq.METHOD: published_gptq.check_gptq_tensors,
+        published_awq.METHOD: published_awq.check_awq_tensors,
+        published_ct.METHOD: published_ct.check_ct_tensors,
+    }
+    method = published_format(folder)
+    if method:
+        checks[method](folder, config)

@@ -30,13 +30,10 @@ from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
-from spark_edge.quant.published_awq import check_awq_tensors
-from spark_edge.quant.published_ct import check_ct_tensors
-from spark_edge.quant.published_gptq import check_gptq_tensors
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining, passthrough, request_limits
-from spark_edge.serving.checkpoint import checkpoint_for_serving, published_format
+from spark_edge.serving.checkpoint import check_published_tensors, checkpoint_for_serving, published_format
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
 
 # SIGTERM: in-flight requests get this long to finish before they are aborted (vLLM's drain mode)
@@ -191,9 +188,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
         config = json.loads((checkpoint / "config.json").read_text())
         check_cpu_int4_tensors(checkpoint, config)
-        check_gptq_tensors(checkpoint, config)
-        check_awq_tensors(checkpoint, config)
-        check_ct_tensors(checkpoint, config)
+        check_published_tensors(checkpoint, config)
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
     resolved = resolve_plan(
