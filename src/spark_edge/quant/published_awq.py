@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, read_headers
+from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
 from spark_edge.quant.cpu_int4_config import GROUP_SIZES
 from spark_edge.quant.gptq_layout import PACK
 from spark_edge.quant.rearrange_4bit import CpuInt4Parts, cpu_int4_parts
@@ -65,18 +65,8 @@ def check_awq_tensors(folder: Path, config: dict[str, Any]) -> AwqFormat | None:
     and the config (CheckpointError naming the first that does not fit); None for anything else."""
     if not published_awq(config):
         return None
-    try:
-        fmt = AwqFormat.from_hf(config["quantization_config"])
-    except ValueError as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: AWQ checkpoint not served: {exc}") from None
-    headers = read_headers(folder)
-    prefixes = sorted(name.removesuffix(".qweight") for name in headers if name.endswith(".qweight"))
-    if not prefixes:
-        raise CheckpointError(f"{folder}: quantization_config says awq, but no tensor is *.qweight")
-    for prefix in prefixes:
-        dtype, (k, n8) = headers[f"{prefix}.qweight"]
-        if dtype != "I32":
-            raise CheckpointError(f"{folder}: {prefix}.qweight is {dtype}, expected I32 (8 codes a word)")
+    fmt, headers, layers = packed_layers(folder, config, AwqFormat.from_hf, "AWQ", "qweight")
+    for prefix, (k, n8) in layers:
         if k % fmt.group_size:
             raise CheckpointError(
                 f"{folder}: {prefix}.qweight {[k, n8]} holds K={k}, not a multiple of the group size {fmt.group_size}"

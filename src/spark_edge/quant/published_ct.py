@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, read_headers
+from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
 from spark_edge.quant.cpu_int4_config import GROUP_SIZES
 from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
 from spark_edge.quant.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
@@ -80,18 +80,8 @@ def check_ct_tensors(folder: Path, config: dict[str, Any]) -> CtFormat | None:
     other and the config (CheckpointError naming the first that does not fit); None for anything else."""
     if not published_ct(config):
         return None
-    try:
-        fmt = CtFormat.from_hf(config["quantization_config"])
-    except ValueError as exc:  # pydantic's ValidationError is one too
-        raise CheckpointError(f"{folder / 'config.json'}: compressed-tensors checkpoint not served: {exc}") from None
-    headers = read_headers(folder)
-    prefixes = sorted(name.removesuffix(".weight_packed") for name in headers if name.endswith(".weight_packed"))
-    if not prefixes:
-        raise CheckpointError(f"{folder}: quantization_config says {SOURCE_METHOD}, but no tensor is *.weight_packed")
-    for prefix in prefixes:
-        dtype, (n, k8) = headers[f"{prefix}.weight_packed"]
-        if dtype != "I32":
-            raise CheckpointError(f"{folder}: {prefix}.weight_packed is {dtype}, expected I32 (8 codes a word)")
+    fmt, headers, layers = packed_layers(folder, config, CtFormat.from_hf, "compressed-tensors", "weight_packed")
+    for prefix, (n, k8) in layers:
         k = k8 * PACK
         if k % fmt.group_size or n % PACK:
             raise CheckpointError(
@@ -106,7 +96,7 @@ def check_ct_tensors(folder: Path, config: dict[str, Any]) -> CtFormat | None:
         if fmt.act_order:
             expect_tensor(folder, headers, f"{prefix}.weight_g_idx", {"I32", "I64"}, (k,))
     if fmt.act_order:
-        check_shared_order(folder, [f"{prefix}.weight_g_idx" for prefix in prefixes])
+        check_shared_order(folder, [f"{prefix}.weight_g_idx" for prefix, _ in layers])
     return fmt
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, read_headers
+from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
 from spark_edge.quant.cpu_int4_config import GROUP_SIZES
 from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
 from spark_edge.quant.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
@@ -78,18 +78,8 @@ def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | Non
     each other and the config (CheckpointError naming the first that does not fit); None for anything else."""
     if not published_gptq(config):
         return None
-    try:
-        fmt = GptqFormat.from_hf(config["quantization_config"])
-    except ValueError as exc:
-        raise CheckpointError(f"{folder / 'config.json'}: GPTQ checkpoint not served: {exc}") from None
-    headers = read_headers(folder)
-    prefixes = sorted(name.removesuffix(".qweight") for name in headers if name.endswith(".qweight"))
-    if not prefixes:
-        raise CheckpointError(f"{folder}: quantization_config says gptq, but no tensor is *.qweight")
-    for prefix in prefixes:
-        dtype, (k8, n) = headers[f"{prefix}.qweight"][0], headers[f"{prefix}.qweight"][1]
-        if dtype != "I32":
-            raise CheckpointError(f"{folder}: {prefix}.qweight is {dtype}, expected I32 (8 codes a word)")
+    fmt, headers, layers = packed_layers(folder, config, GptqFormat.from_hf, "GPTQ", "qweight")
+    for prefix, (k8, n) in layers:
         k = k8 * PACK
         if k % fmt.group_size or n % PACK:
             raise CheckpointError(
@@ -101,7 +91,7 @@ def check_gptq_tensors(folder: Path, config: dict[str, Any]) -> GptqFormat | Non
         expect_tensor(folder, headers, f"{prefix}.scales", {"F16", "BF16", "F32"}, (groups, n))
         expect_tensor(folder, headers, f"{prefix}.g_idx", {"I32", "I64"}, (k,))
     if fmt.desc_act:
-        check_shared_order(folder, [f"{prefix}.g_idx" for prefix in prefixes])
+        check_shared_order(folder, [f"{prefix}.g_idx" for prefix, _ in layers])
     return fmt
 
 
