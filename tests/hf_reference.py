@@ -9,6 +9,7 @@ a 4-bit path is compared with the reference on its own grid: what is left is the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,27 @@ def deviation(run: dict[str, Any], reference: torch.Tensor) -> tuple[tuple[float
     prefill = (run["prompt_lp"] - reference[: n - 1]).abs()
     decode = (run["gen_lp"] - reference[n - 1 : n - 1 + len(run["tokens"])]).abs()
     return (float(prefill.mean()), float(prefill.max())), (float(decode.mean()), float(decode.max()))
+
+
+@dataclass
+class Comparison:
+    """An engine run of a checkpoint against transformers' float64 reference on the same weights."""
+
+    run: dict[str, Any]  # engine_log_probs'
+    reference: torch.Tensor  # reference_log_probs over prompt + generated tokens
+    prefill: tuple[float, float]  # (mean, max) |delta log-prob| over the prompt
+    decode: tuple[float, float]  # the same over the generated tokens
+    rounding: float  # what bf16 rounding alone costs the reference over the prompt (mean)
+
+
+def compare_with_transformers(
+    checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None = None
+) -> Comparison:
+    run = engine_log_probs(checkpoint, cache_root, monkeypatch, quantization)
+    assert len(run["tokens"]) == NEW_TOKENS
+    sequence = run["prompt"] + run["tokens"]
+    reference = reference_log_probs(checkpoint, sequence)
+    prefill, decode = deviation(run, reference)
+    n = len(run["prompt"])
+    rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
+    return Comparison(run, reference, prefill, decode, rounding)

@@ -29,7 +29,7 @@ from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models import synth
 from spark_edge.planning.model_shape import ModelShape
 
-from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
+from hf_reference import NEW_TOKENS, compare_with_transformers, deviation, reference_log_probs
 
 FAMILIES = ("llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
 AMX = torch.cpu._is_amx_tile_supported()
@@ -133,13 +133,9 @@ def test_family_on_the_weight_path_matches_transformers(
     family: str, path: str, sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checkpoint = _build(sources[family], path, tmp_path / path)
-    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch)
-    assert len(run["tokens"]) == NEW_TOKENS
-    sequence = run["prompt"] + run["tokens"]
-    reference = reference_log_probs(checkpoint, sequence)
-    prefill, decode = deviation(run, reference)
-    n = len(run["prompt"])
-    rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
+    c = compare_with_transformers(checkpoint, tmp_path / "vllm-cache", monkeypatch)
+    run, reference, prefill, decode, rounding = c.run, c.reference, c.prefill, c.decode, c.rounding
+    sequence, n = run["prompt"] + run["tokens"], len(run["prompt"])
     bound = MEAN_NAT[path] + rounding
     line = (
         f"\n{family} {path}: mean/max |delta log-prob| prefill {prefill[0]:.4f}/{prefill[1]:.3f}, "

@@ -38,7 +38,7 @@ from spark_edge.serving.checkpoint import (
     published_format,
 )
 
-from hf_reference import NEW_TOKENS, deviation, engine_log_probs, reference_log_probs
+from hf_reference import compare_with_transformers
 from spark_reference import _awq_weight, _gptq_weight
 
 FAMILY = "llama-3.2-1b"
@@ -288,13 +288,8 @@ def test_a_published_checkpoint_on_cpu_int4_matches_transformers(
 ) -> None:
     checkpoint = published[variant]
     method = _method(variant)
-    run = engine_log_probs(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=method)
-    assert len(run["tokens"]) == NEW_TOKENS
-    sequence = run["prompt"] + run["tokens"]
-    reference = reference_log_probs(checkpoint, sequence)
-    prefill, decode = deviation(run, reference)
-    n = len(run["prompt"])
-    rounding = float((reference_log_probs(checkpoint, sequence, torch.bfloat16) - reference)[: n - 1].abs().mean())
+    c = compare_with_transformers(checkpoint, tmp_path / "vllm-cache", monkeypatch, quantization=method)
+    prefill, decode, rounding = c.prefill, c.decode, c.rounding
     print(
         f"\n{FAMILY} published {variant} on {method}: mean/max |delta log-prob| prefill "
         f"{prefill[0]:.4f}/{prefill[1]:.3f}, decode {decode[0]:.4f}/{decode[1]:.3f} nat (bf16 rounding costs the "
