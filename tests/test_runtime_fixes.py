@@ -581,16 +581,21 @@ _GLOO_GROUPS = textwrap.dedent("""
         t = torch.arange(4.0)
         torch.distributed.all_reduce(t, group=ps.get_tp_group().device_group)
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0], t
-        loops = sum(open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop"
-                    for tid in os.listdir("/proc/self/task"))
+        task = lambda tid, name: open(f"/proc/self/task/{tid}/{name}").read().strip()
+        loops = [tid for tid in os.listdir("/proc/self/task") if task(tid, "comm") == "gloo_tcp_loop"]
         groups = len(torch.distributed.distributed_c10d._world.pg_map)
+        # the timer slack each loop thread sleeps with, and this (creating) thread's own
+        slack = lambda tid: int(open(f"/proc/{tid}/timerslack_ns").read())  # proc(5): a thread's id works too
+        slacks = sorted({slack(tid) for tid in loops})
+        own = slack(os.getpid())
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
-    print("GLOO", loops, groups)
+    print("GLOO", len(loops), groups, own, *slacks)
 """)
 
 
-def _gloo_loops(mode: str) -> tuple[int, int]:
+def _gloo_loops(mode: str) -> tuple[int, int, int, list[int]]:
+    """Loop threads, groups, the creating thread's timer slack and the loop threads' slacks."""
     from spark_edge.serving.server_process import free_port
 
     run = subprocess.run(
@@ -598,16 +603,19 @@ def _gloo_loops(mode: str) -> tuple[int, int]:
     )
     line = next((x for x in run.stdout.splitlines() if x.startswith("GLOO ")), None)
     assert run.returncode == 0 and line, run.stderr[-3000:]
-    loops, groups = map(int, line.split()[1:])
-    return loops, groups
+    loops, groups, own, *slacks = map(int, line.split()[1:])
+    return loops, groups, own, slacks
 
 
-def test_single_rank_gloo_groups_share_one_polling_thread_and_still_work() -> None:
-    fixed_loops, groups = _gloo_loops("fixed")
-    plain_loops, _ = _gloo_loops("plain")
+def test_single_rank_gloo_groups_share_one_sleepy_thread_and_still_work() -> None:
+    fixed_loops, groups, own, fixed_slacks = _gloo_loops("fixed")
+    plain_loops, _, plain_own, plain_slacks = _gloo_loops("plain")
     assert groups > 1
     assert fixed_loops == 1, f"{fixed_loops} gloo loop threads for {groups} groups"
     assert plain_loops > 1  # what the fix corrects is still there without it (else: retire the fix)
+    # the loop's 10 ms poll may be deferred by a second; nothing else in the process changes its slack
+    assert fixed_slacks == [fixes.IDLE_LOOP_SLACK_NS]
+    assert plain_slacks == [plain_own] and own == plain_own
 
 
 def test_groups_of_several_ranks_are_built_as_torch_builds_them() -> None:
