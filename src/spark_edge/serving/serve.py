@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from spark_edge import __version__
+from spark_edge.checkpoints.chat_template import missing_template_note
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, rss_anon_bytes
 from spark_edge.models.synth import synthetic_origin
@@ -191,6 +192,8 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         check_published_tensors(checkpoint, config)
         if origin := synthetic_origin(config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
+        if note := missing_template_note(checkpoint, req.vllm_args):
+            log(note)
     resolved = resolve_plan(
         device,
         choice,
