@@ -51,6 +51,18 @@ def checkpoint_copy(bf16_checkpoint: Path, tmp_path: Path) -> Path:
     return copy
 
 
+@pytest.fixture
+def offline_w4a16_figures() -> dict:
+    """An offline engine arm's figures as `spark_edge.bench.offline` prints them (for the report tests)."""
+    return {
+        "tg128_tps": 33.0,
+        "pp512_tps": 280.0,
+        "batched_seqs": 4,
+        "batched_tg128_tps": 96.0,
+        "profile_top_ops": [{"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}],
+    }
+
+
 def flip_middle_byte(path: Path) -> None:
     """One bit of the file's middle byte inverted, size unchanged: only a digest can tell."""
     with open(path, "r+b") as f:

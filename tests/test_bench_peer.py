@@ -165,7 +165,7 @@ def _result(tag: str, tg: float, pp: float, served_tg: float | None = None) -> A
     return r
 
 
-def test_ratios_against_the_peer_are_in_the_summary_and_the_table() -> None:
+def test_ratios_against_the_peer_are_in_the_summary_and_the_table(offline_w4a16_figures: dict) -> None:
     peer = _result("llama.cpp", 40.0, 160.0, served_tg=38.0)
     peer.llama_bench = {
         "Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0, "tg128_stddev_tps": 1.0},
@@ -177,6 +177,7 @@ def test_ratios_against_the_peer_are_in_the_summary_and_the_table() -> None:
         "llama.cpp": [peer],
     }
     summary = summarize(results, baseline="bf16", peer="llama.cpp")
+    summary["offline"] = {"w4a16": offline_w4a16_figures}
     assert summary["arms"]["w4a16"]["vs_peer"]["tg128_tps"] == pytest.approx(22.0 / 40.0)
     assert summary["arms"]["w4a16"]["vs_peer"]["pp512_tps"] == pytest.approx(250.0 / 160.0)
     assert "vs_peer" not in summary["arms"]["llama.cpp"]
@@ -185,6 +186,7 @@ def test_ratios_against_the_peer_are_in_the_summary_and_the_table() -> None:
     assert "vs llama.cpp" in table
     assert "tg128 0.50x" in table  # w4a16 streamed 19 against the peer's 38
     assert "llama-bench BF16: failed: llama-bench on m.BF16.gguf died with SIGSEGV" in table
+    assert "offline w4a16 (vLLM LLM, one process): tg128 33.0 tok/s (0.79x peer), 4 sequences 96.0 tok/s" in table
 
 
 @pytest.mark.peer

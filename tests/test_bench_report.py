@@ -25,7 +25,7 @@ def _arm(tag: str, tg: float, pp: float, streamed: float) -> ArmResult:
     return r
 
 
-def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) -> None:
+def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path, offline_w4a16_figures: dict) -> None:
     peer = _arm("llama.cpp", 40.0, 160.0, 38.0)
     peer.llama_bench = {
         "Q4_K_M": {"pp512_tps": 150.0, "pp512_stddev_tps": 2.0, "tg128_tps": 42.0, "tg128_stddev_tps": 1.0}
@@ -41,14 +41,7 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) ->
     summary["arms"]["bf16"].update(perplexity=10.0)  # fidelity as summarize() writes it for scored arms
     summary["arms"]["bf16"].update(perplexity_ratio=1.0, top1_agreement=1.0)
     summary.update(model="default", host="Intel(R) Xeon(R) Processor @ 2.00GHz, 2 usable cores, features: avx2")
-    summary["offline"] = {
-        "w4a16": {
-            "tg128_tps": 33.0,
-            "pp512_tps": 280.0,
-            "profile_top_ops": [{"op": "spark_edge::int4_linear", "self_ms_per_step": 11.5, "calls_per_step": 124.8}],
-        },
-        "bf16": {"error": "ValueError: no KV cache"},
-    }
+    summary["offline"] = {"w4a16": offline_w4a16_figures, "bf16": {"error": "ValueError: no KV cache"}}
     path = tmp_path / "run.json"
     write_json(summary, path)
     text = render([path])
@@ -57,6 +50,7 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path) ->
     assert "| w4a8 | failed |" in text
     assert "| 12.5 | 0.40x | x1.000 | 1.000 |" in text  # bf16: 16 tok/s against the peer's 40, its own fidelity
     assert "| Q4_K_M | 150.0 ± 2.0 | 42.0 ± 1.0 |" in text
-    assert "spark_edge::int4_linear 11.50" in text and "failed: ValueError: no KV cache" in text
+    assert "| w4a16 | 33.0 | 96.0 (N=4) | 280 | spark_edge::int4_linear 11.50 |" in text
+    assert "failed: ValueError: no KV cache" in text
     assert "one pass: a smoke run" in text
     json.loads(path.read_text())  # the source stays valid JSON

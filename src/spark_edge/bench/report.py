@@ -109,15 +109,17 @@ def section(summary: dict, source: str) -> str:
             "",
             "vLLM's offline engine (one process), per weight path:",
             "",
-            "| path | tg128 tok/s | pp512 tok/s | top ops of a decode step (ms per step) |",
-            "|---|---:|---:|---|",
+            "| path | tg128 tok/s | tg128 of N sequences together, aggregate tok/s | pp512 tok/s | "
+            "top ops of a decode step (ms per step) |",
+            "|---|---:|---:|---:|---|",
         ]
         for path, off in offline.items():
             if "error" in off:
-                lines.append(f"| {path} | failed: {off['error']} | | |")
+                lines.append(f"| {path} | failed: {off['error']} | | | |")
                 continue
             ops = ", ".join(f"{op['op'][:40]} {op['self_ms_per_step']:.2f}" for op in off["profile_top_ops"][:5])
-            lines.append(f"| {path} | {off['tg128_tps']:.1f} | {off['pp512_tps']:.0f} | {ops} |")
+            batched = f"{off['batched_tg128_tps']:.1f} (N={off['batched_seqs']})" if "batched_tg128_tps" in off else "-"
+            lines.append(f"| {path} | {off['tg128_tps']:.1f} | {batched} | {off['pp512_tps']:.0f} | {ops} |")
     return "\n".join(lines) + "\n"
 
 

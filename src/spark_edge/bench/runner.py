@@ -276,7 +276,8 @@ def _served_lines(summary: dict) -> list[str]:
             continue
         lines.append(
             f"offline {path} (vLLM LLM, one process): tg128 {off['tg128_tps']:.1f} tok/s"
-            f"{_peer_ratio(off['tg128_tps'], in_process.get('tg128_tps'))}, pp512 {off['pp512_tps']:.0f} "
+            f"{_peer_ratio(off['tg128_tps'], in_process.get('tg128_tps'))}, {off['batched_seqs']} sequences "
+            f"{off['batched_tg128_tps']:.1f} tok/s together, pp512 {off['pp512_tps']:.0f} "
             f"tok/s{_peer_ratio(off['pp512_tps'], in_process.get('pp512_tps'))}; decode step, top ops "
             "by self time:"
         )
