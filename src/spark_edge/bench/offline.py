@@ -33,6 +33,13 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _tg128_tps(llm, prompt, seqs: int, reps: int) -> float:
+    """Decode tokens/s of `seqs` one-token prompts together: 128-token minus 1-token runs, as llama-bench's tg128."""
+    t1 = min(_timed(llm, [prompt(1) for _ in range(seqs)], 1) for _ in range(reps))
+    t128 = min(_timed(llm, [prompt(1) for _ in range(seqs)], 128) for _ in range(reps))
+    return seqs * 127 / (t128 - t1)
+
+
 def _profile_decode(llm, prompt: list[int]) -> list[dict]:
     """Self CPU time per decode step of the ops that cost most (the worker runs in this process)."""
     import torch
@@ -78,17 +85,12 @@ def run(checkpoint: str, vocab: int, reps: int) -> dict:
     ready_s = time.perf_counter() - start
     _timed(llm, [prompt(8)], 8)  # warm-up
     pp = min(_timed(llm, [prompt(512)], 1) for _ in range(reps))
-    t1 = min(_timed(llm, [prompt(1)], 1) for _ in range(reps))
-    t128 = min(_timed(llm, [prompt(1)], 128) for _ in range(reps))
-    seqs = DEFAULT_MAX_NUM_SEQS
-    t1_seqs = min(_timed(llm, [prompt(1) for _ in range(seqs)], 1) for _ in range(reps))
-    t128_seqs = min(_timed(llm, [prompt(1) for _ in range(seqs)], 128) for _ in range(reps))
     return {
         "ready_s": ready_s,
         "pp512_tps": 512 / pp,
-        "tg128_tps": 127 / (t128 - t1),
-        "batched_seqs": seqs,
-        "batched_tg128_tps": seqs * 127 / (t128_seqs - t1_seqs),
+        "tg128_tps": _tg128_tps(llm, prompt, 1, reps),
+        "batched_seqs": DEFAULT_MAX_NUM_SEQS,
+        "batched_tg128_tps": _tg128_tps(llm, prompt, DEFAULT_MAX_NUM_SEQS, reps),
         "profile_top_ops": _profile_decode(llm, prompt(1)),
     }
 
