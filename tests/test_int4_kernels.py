@@ -101,10 +101,25 @@ def test_gemm_every_layout_and_path(ops: object, layout: tl.KernelLayout) -> Non
         for m in ROWS:
             x = torch.randn(m, k).to(BF16)
             assert ni.gemm_within_tolerance(ops.int4_gemm(x, buf, sz, g), x, exact), (m, layout)
-        # the dequantization reads the same layout, bit-exact
+        # the dequantization and the embedding lookup read the same layout, bit-exact
         assert torch.equal(ops.int4_dequant_t(buf, sz, g).t(), exact.to(BF16))
+        ids = torch.tensor([0, 1, 31, 32, 63, 64, 127, 191, 192, 200, 207, 5, 5])  # both nibbles, blocks, the tail
+        for dtype in (torch.int64, torch.int32):
+            assert torch.equal(ops.int4_embedding(ids.to(dtype), buf, sz, g), exact.to(BF16)[ids]), (dtype, layout)
+        assert ops.int4_embedding(ids[:0], buf, sz, g).shape == (0, k)
     finally:
         _configure_host()
+
+
+def test_embedding_is_the_lookup_the_torch_path_makes(ops: object) -> None:
+    """The C++ lookup the model's tied table takes equals the torch op it replaced (gather_kernel_rows), on
+    this host's layout, with a 16-channel tail and every group size."""
+    for g in (32, 64, 128):
+        n, k = 80, 256
+        codes, scale, zero, _ = _case(n, k, g)
+        buf, sz = _pack(codes, tl.detect_layout()), tl.scales_and_zeros(scale, zero)
+        ids = torch.randint(0, n, (37,))
+        assert torch.equal(ops.int4_embedding(ids, buf, sz, g), tl.gather_kernel_rows(buf, sz, ids, g)), g
 
 
 def test_gemm_integer_codes_are_accumulated_exactly(ops: object) -> None:
@@ -399,6 +414,16 @@ def test_bad_input_is_a_clear_error_not_a_crash(ops: object) -> None:
     if not ops.int4_q8_form_supported(ni.Q8_FORMS["quads"]):  # AVX2's layout has the pairs form only
         with pytest.raises(RuntimeError, match="no form 2 for 32-channel blocks"):
             ops.int4_gemm_q8(x, buf, sz, g, ni.Q8_FORMS["quads"])
+    for ids, message in (
+        (torch.tensor([3, n]), f"token id {n} is outside the table's {n} rows"),
+        (torch.tensor([-1]), "token id -1 is outside"),
+        (torch.tensor([[1]]), "1-D int32 or int64"),
+        (torch.tensor([1.0]), "1-D int32 or int64"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            ops.int4_embedding(ids, buf, sz, g)
+    with pytest.raises(RuntimeError, match="does not match"):  # the table's scales for another group size
+        ops.int4_embedding(torch.tensor([1]), buf, sz, 64)
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):  # a 16-channel tail
         ops.int4_gemm_q8(x, torch.zeros(80, k // 2, dtype=torch.uint8), torch.zeros(k // g, 80, 2, dtype=BF16), g)
 

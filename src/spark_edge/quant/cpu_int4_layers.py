@@ -187,15 +187,12 @@ class CpuInt4EmbeddingMethod(_CpuInt4Weights, QuantizeMethodBase):
         setattr(layer, _READY, True)
 
     def embedding(self, layer: Module, input_: torch.Tensor) -> torch.Tensor:
-        weight = getattr(layer, KERNEL_WEIGHT)
-        op = getattr(torch.ops, NAMESPACE).cpu_int4_embedding
-        rows = op(
-            input_.reshape(-1),
-            weight,
-            getattr(layer, KERNEL_SCALES_ZEROS),
-            self.settings.group_size,
-            *_rowmajor(layer),
-        )
+        weight, sz, group = getattr(layer, KERNEL_WEIGHT), getattr(layer, KERNEL_SCALES_ZEROS), self.settings.group_size
+        ops = getattr(torch.ops, NAMESPACE)
+        if getattr(layer, _NATIVE):  # the C++ lookup: no Python in the compiled graph's call
+            rows = ops.int4_embedding(input_.reshape(-1), weight, sz, group)
+        else:
+            rows = ops.cpu_int4_embedding(input_.reshape(-1), weight, sz, group, *_rowmajor(layer))
         return rows.reshape(*input_.shape, weight.shape[1] * 2)
 
     def apply(self, layer: Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

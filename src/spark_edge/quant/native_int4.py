@@ -11,6 +11,8 @@
   has the pairs form, native/int4_gemm_q8_avx2.cpp), the tile GEMMs over bf16 tiles of the weight in cache
   (native/bf16_tiles.h: `int4_gemm_bf16` with vdpbf16ps, `int4_gemm_amx` with AMX tiles), `int4_dequant_t`
   (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
+- `int4_embedding(ids, weight, scales_zeros, group)`: rows of a tied table read from the same buffer
+  (native/int4_dequant.cpp), so the token lookup is one C++ call in the compiled graph, not a dozen torch ops.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
@@ -178,6 +180,12 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("spark_edge::int4_embedding")
+    def _embedding_fake(
+        ids: torch.Tensor, weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return scales_zeros.new_empty((ids.shape[0], weight.shape[1] * 2))
+
     @torch.library.register_fake("spark_edge::int4_dequant_t")
     def _dequant_fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return scales_zeros.new_empty((weight.shape[1] * 2, weight.shape[0]))
@@ -250,6 +258,9 @@ def _self_check() -> None:
     want = dequantize_kernel_weight(buf, sz, group)
     if not torch.equal(ops.int4_dequant_t(buf, sz, group).view(torch.int16), want.t().contiguous().view(torch.int16)):
         raise _Unavailable("the compiled dequantization disagrees with the reference dequantizer")
+    rows = torch.tensor([0, n - 1, 17, 40, 64, 71, 33, 17])  # full blocks, both nibbles, the tail, a repeat
+    if not torch.equal(ops.int4_embedding(rows, buf, sz, group).view(torch.int16), want[rows].view(torch.int16)):
+        raise _Unavailable("the compiled embedding lookup disagrees with the reference dequantizer")
     x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
     weight = dequantize(kernel_codes(buf), scale, zero, group)
     if not gemm_within_tolerance(ops.int4_gemm(x, buf, sz, group), x, weight):

@@ -1,4 +1,5 @@
-/* Dequantize the CPU int4 GEMM's weight buffer to a transposed bf16 matrix W^T [K][N] in one pass.
+/* Dequantize the CPU int4 GEMM's weight buffer to a transposed bf16 matrix W^T [K][N] in one pass, or some of
+ * its rows (output channels: an embedding lookup) to bf16 [M][K].
  *
  * Layout of the buffer (see tinygemm_layout.py, which detects it on the running torch): output
  * channels in full blocks of `block`, each [K][block/2] bytes, then one tail block of
@@ -56,6 +57,29 @@ void int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t *out,
                 dq_adjacent(src, sz_row + b * block * 2, o + b * block, block);
         }
         if (tail) dq_adjacent(tail_buf + kk * (tail / 2), sz_row + full * 2, o + full, tail);
+    }
+}
+
+/* Row `id` of W (channel id) is one nibble per K step, at a fixed byte of each K step of its block: for a full
+ * block the block's `block / 2` bytes a step, for the tail its `tail / 2`. Few rows (the prompt's or the step's
+ * tokens), so one thread: the parallel region would cost more than the rows. */
+void int4_gather_rows(const uint8_t *buf, const uint16_t *sz, const int64_t *ids, int64_t m, uint16_t *out, int64_t n,
+                      int64_t k, int64_t group, int64_t block, int64_t halves) {
+    const int64_t full = n / block * block, tail = n - full;
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t id = ids[r], c = id < full ? id % block : id - full;
+        const uint8_t *src;
+        int64_t step, shift;
+        if (id < full) {
+            src = buf + (id - c) * (k / 2) + (halves ? c % (block / 2) : c / 2);
+            step = block / 2, shift = (halves ? c >= block / 2 : c % 2) ? 4 : 0;
+        } else {
+            src = buf + full * (k / 2) + c / 2;
+            step = tail / 2, shift = c % 2 ? 4 : 0;
+        }
+        uint16_t *o = out + r * k;
+        for (int64_t kk = 0; kk < k; kk++)
+            o[kk] = dequantize_code((src[kk * step] >> shift) & 0xfu, sz + ((kk / group) * n + id) * 2);
     }
 }
 

@@ -8,6 +8,10 @@ namespace spark_edge {
 void int4_dequant_t(const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k, int64_t group,
                     int64_t block, int64_t halves);
 
+/* bf16 rows [M][K] of W (channels ids[0..M), each in [0, N)) from the same buffer: an embedding lookup. */
+void int4_gather_rows(const uint8_t *buf, const uint16_t *sz, const int64_t *ids, int64_t m, uint16_t *out, int64_t n,
+                      int64_t k, int64_t group, int64_t block, int64_t halves);
+
 /* Whether int4_gemm has its vector path for this layout in this build (else its portable loop runs). */
 bool int4_gemm_vectorized(int64_t block, int64_t halves);
 

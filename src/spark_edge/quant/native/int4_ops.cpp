@@ -10,6 +10,8 @@
  *            (int4_gemm_amx.cpp, where the process may use them);
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
+ * int4_embedding reads a tied table's rows from the same buffer (int4_dequant.cpp), so the token lookup is one C++
+ * call in the compiled graph too.
  * The fake (meta) implementation is registered from Python (native_int4.py).
  */
 #include "int4_kernels.h"
@@ -163,6 +165,25 @@ at::Tensor int4_dequant_t_op(const at::Tensor &weight, const at::Tensor &sz, int
     return out;
 }
 
+/* Token ids [T] (int32 or int64) -> bf16 rows [T, K] of the table in the buffer; an id outside [0, N) is an error
+ * naming it, never a read outside the buffer. */
+at::Tensor int4_embedding_op(const at::Tensor &ids_in, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
+    const Policy *p = &configured();
+    const int64_t n = weight.size(0), k = weight.size(1) * 2;
+    check_buffers(at::empty({0, k}, sz.options()), weight, sz, group);
+    TORCH_CHECK(ids_in.dim() == 1 && (ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt),
+                "int4_embedding: token ids must be a 1-D int32 or int64 tensor, got ", ids_in.scalar_type(), " ",
+                ids_in.sizes());
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+    const int64_t m = ids.size(0), *id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; r++)
+        TORCH_CHECK(id[r] >= 0 && id[r] < n, "int4_embedding: token id ", id[r], " is outside the table's ", n, " rows");
+    at::Tensor out = at::empty({m, k}, sz.options());
+    int4_gather_rows(weight.data_ptr<uint8_t>(), u16(sz), id, m, reinterpret_cast<uint16_t *>(out.data_ptr()), n, k,
+                     group, p->block, p->halves);
+    return out;
+}
+
 at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
     check_buffers(x, weight, sz, group);
@@ -199,6 +220,7 @@ TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_q8_form_supported(int form) -> bool");  // on the configured layout
     m.def("int4_gemm_q8(Tensor x, Tensor weight, Tensor scales_zeros, int group_size, int form=0) -> Tensor");
     m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int4_embedding(Tensor ids, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
 }
 
@@ -208,6 +230,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
     m.impl("int4_gemm_bf16", &int4_gemm_bf16_op);
     m.impl("int4_gemm_amx", &int4_gemm_amx_op);
     m.impl("int4_dequant_t", &int4_dequant_t_op);
+    m.impl("int4_embedding", &int4_embedding_op);
     m.impl("int4_linear", &int4_linear);
 }
 
