@@ -11,8 +11,9 @@
   has the pairs form, native/int4_gemm_q8_avx2.cpp), the tile GEMMs over bf16 tiles of the weight in cache
   (native/bf16_tiles.h: `int4_gemm_bf16` with vdpbf16ps, `int4_gemm_amx` with AMX tiles), `int4_dequant_t`
   (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
-- `int4_embedding(ids, weight, scales_zeros, group)`: rows of a tied table read from the same buffer
-  (native/int4_dequant.cpp), so the token lookup is one C++ call in the compiled graph, not a dozen torch ops.
+- `int4_embedding(ids, weight, scales_zeros, group)`: rows of a quantized embedding table (tied to the head or
+  not), read from its kernel buffer (native/int4_dequant.cpp), so the token lookup is one C++ call in the
+  compiled graph, not a dozen torch ops.
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the

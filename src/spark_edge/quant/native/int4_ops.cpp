@@ -10,8 +10,8 @@
  *            (int4_gemm_amx.cpp, where the process may use them);
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
- * int4_embedding reads a tied table's rows from the same buffer (int4_dequant.cpp), so the token lookup is one C++
- * call in the compiled graph too.
+ * int4_embedding reads a quantized embedding table's rows from its buffer (int4_dequant.cpp), so the token lookup
+ * is one C++ call in the compiled graph too.
  * The fake (meta) implementation is registered from Python (native_int4.py).
  */
 #include "int4_kernels.h"
