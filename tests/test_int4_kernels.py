@@ -112,10 +112,10 @@ def test_gemm_every_layout_and_path(ops: object, layout: tl.KernelLayout) -> Non
 
 
 def test_embedding_is_the_lookup_the_torch_path_makes(ops: object) -> None:
-    """The C++ lookup the model's tied table takes equals the torch op it replaced (gather_kernel_rows), on
+    """The C++ lookup a model's quantized table takes equals the torch op it replaced (gather_kernel_rows), on
     this host's layout, with a 16-channel tail and every group size."""
+    n, k = 80, 256
     for g in (32, 64, 128):
-        n, k = 80, 256
         codes, scale, zero, _ = _case(n, k, g)
         buf, sz = _pack(codes, tl.detect_layout()), tl.scales_and_zeros(scale, zero)
         ids = torch.randint(0, n, (37,))
