@@ -69,4 +69,5 @@ def test_plan_predicts_the_measured_w4a16_load_peak(w4a16_server: Server) -> Non
     )
     measured = m["spark_edge_load_rss_anon_peak_bytes"]
     print(f"w4a16 plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
-    assert abs(plan.load_peak_bytes - measured) / measured <= 0.15
+    assert measured <= m["spark_edge_plan_load_peak_bytes"]  # the plan it ran with: this start compiled
+    assert abs(plan.load_peak_bytes - measured) / measured <= 0.15  # the plan without the compiler

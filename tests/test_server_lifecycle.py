@@ -26,7 +26,8 @@ import requests
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.errors import PlanRefused
 from spark_edge.planning.calibration import calibrated_baseline
-from spark_edge.planning.memory_plan import MiB, make_plan
+from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES
+from spark_edge.planning.memory_plan import MemoryPlan, MiB, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import probe_device
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files
@@ -103,12 +104,19 @@ def make_memory_cgroup(name: str, limit: int) -> MemoryCgroup:
 # --- what the plan says, for the default model ----------------------------------------------------
 
 
+def cold_plan(shape: ModelShape, ceiling: int, **kw) -> MemoryPlan:
+    """The bf16 plan of a start that compiles (the first one on a data folder, or a new context)."""
+    return make_plan(
+        shape, "bf16", ceiling, REQUESTED_CONTEXT, MAX_NUM_SEQS, compile_transient=COMPILER_TRANSIENT_BYTES, **kw
+    )
+
+
 def plan_bands(shape: ModelShape) -> dict[object, tuple[int, int]]:
-    """Ceiling ranges [lo, hi) in bytes -> what the plan does there: a context, or "refused"."""
+    """Ceiling ranges [lo, hi) in bytes -> what a first start's plan does there: a context, or "refused"."""
     bands: dict[object, tuple[int, int]] = {}
     for mib in range(1024, 4096, 4):
         try:
-            outcome: object = make_plan(shape, "bf16", mib * MiB, REQUESTED_CONTEXT, MAX_NUM_SEQS).max_model_len
+            outcome: object = cold_plan(shape, mib * MiB).max_model_len
         except PlanRefused:
             outcome = "refused"
         lo, _ = bands.get(outcome, (mib * MiB, 0))
@@ -274,7 +282,7 @@ def test_a_limit_that_fits_only_a_shorter_context_serves_it_and_says_so(
     assert m["spark_edge_requested_max_model_len_tokens"] == REQUESTED_CONTEXT
     ceiling = int(m["spark_edge_memory_limit_bytes"])
     assert ceiling <= limited.limit
-    assert make_plan(shape, "bf16", ceiling, REQUESTED_CONTEXT, MAX_NUM_SEQS).max_model_len == limited.context
+    assert cold_plan(shape, ceiling).max_model_len == limited.context
     model = first_life.get("/v1/models").json()["data"][0]
     assert model["max_model_len"] == limited.context  # what vLLM itself enforces
 
@@ -372,18 +380,14 @@ def test_a_restart_resumes_warm(
     _stopped(first_life)
     second = limited.start("second")
     m = _scrape(second)
-    # the plan the restart made: the first life may have calibrated this host's baseline (its load peak
-    # over the plan), and a larger baseline can shorten the context under this limit
+    # the plan the restart made: the context the first life compiled, whose graph the cache now holds; but
+    # the first life may have calibrated this host's baseline (its load peak over the plan), and a larger
+    # baseline can shorten the context under this limit
     monkeypatch.setenv("SPARK_EDGE_HOME", str(limited.home))
     features = sorted(probe_device().features)
-    expected = make_plan(
-        shape,
-        "bf16",
-        int(m["spark_edge_memory_limit_bytes"]),
-        REQUESTED_CONTEXT,
-        MAX_NUM_SEQS,
-        calibrated_baseline=calibrated_baseline(features, "bf16", "engine"),
-    ).max_model_len
+    ceiling = int(m["spark_edge_memory_limit_bytes"])
+    baseline = calibrated_baseline(features, "bf16", "engine")
+    expected = cold_plan(shape, ceiling, calibrated_baseline=baseline).max_model_len
     assert m["spark_edge_max_model_len_tokens"] == expected
     log = second.log_path.read_text(errors="replace")
     if expected == limited.context:  # the same plan, hence the same graph: loaded, not compiled
@@ -417,3 +421,97 @@ def test_a_damaged_compile_cache_is_counted_as_a_miss_and_rebuilt(limited: Limit
     assert artifact.read_bytes() != data[:at] + b"#" + data[at + 1 :] and kernel.stat().st_size > 0
     assert damaged_files(hash_dir) == []  # rebuilt and sealed again
     _stopped(third)
+
+
+# --- the first start, at the smallest limit the plan accepts ------------------------------------------
+
+
+def _smallest_first_start_ceiling(home: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The smallest ceiling (to the MiB) under which `serve`'s plan accepts the default model, its default
+    options and the probe's weight path on a fresh data folder: a start that builds and compiles."""
+    from spark_edge.planning.command import model_config
+    from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
+
+    monkeypatch.setenv("SPARK_EDGE_HOME", str(home))
+    device = probe_device()
+    choice, config = resolve_weight_path(device, "speed", "auto"), model_config(None)
+
+    def fits(mib: int) -> bool:
+        try:
+            resolve_plan(device, choice, None, config, mib * MiB, 2048, MAX_NUM_SEQS, "engine")
+            return True
+        except PlanRefused:
+            return False
+
+    lo, hi = 512, 8192  # refused at lo, accepted at hi
+    assert not fits(lo) and fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi * MiB
+
+
+# the serving process's own share of its cgroup's usage differs from the cgroup's by a few MiB (its
+# resource tracker, mapped page cache): the limits below stay this far on their side of the plan's edge
+EDGE_SLACK = 16 * MiB
+
+
+def test_a_first_start_at_the_smallest_limit_the_plan_accepts_serves_and_just_below_it_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#35's promise on a fresh data folder: the checkpoint built (in a child process) and the graph compiled
+    (the C++ compiler beside the engine) under the smallest cgroup limit `plan` accepts, never OOM-killed;
+    16 MiB under that limit, refused with exit 5 (after the build, before vLLM)."""
+    smallest = _smallest_first_start_ceiling(tmp_path / "home", monkeypatch)
+    below = make_memory_cgroup(f"spark-edge-first-below-{os.getpid()}", smallest - EDGE_SLACK)
+    try:
+        cmd = [*below.enter, sys.executable, "-m", "spark_edge.cli", "serve", "--port", "1"]
+        env = {**os.environ, "SPARK_EDGE_HOME": str(tmp_path / "home-below")}
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 5 and "does not fit" in run.stderr, run.stderr[-3000:]
+        assert "compiler" in run.stderr and "Traceback" not in run.stderr
+        assert below.oom_kills() == 0
+    finally:
+        below.remove()
+
+    cgroup = make_memory_cgroup(f"spark-edge-first-{os.getpid()}", smallest + EDGE_SLACK)
+    server = Server([], tmp_path / "home", tmp_path / "first.log", wrap=cgroup.enter)
+    try:
+        server.wait_ready()
+        log = server.log_path.read_text(errors="replace")
+        assert "compiler" in log and "this start compiles" in log  # what the plan counted
+        server.assert_knows_paris(DEFAULT_MODEL_ID)
+        m = _scrape(server)
+        assert m["spark_edge_load_rss_anon_peak_bytes"] <= m["spark_edge_plan_load_peak_bytes"]
+        assert m["spark_edge_compile_cache_misses_total"] >= 1  # it did compile
+        assert cgroup.oom_kills() == 0
+        _stopped(server)
+    finally:
+        server.stop()
+        cgroup.remove()
+
+
+def test_an_engine_killed_while_starting_ends_serve_with_exit_7_in_one_line(
+    bf16_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A ceiling given by hand (--memory-limit) above the real cgroup limit: the plan trusts it, and the engine
+    core, the largest process, is OOM-killed while it loads. serve says so in one line, without vLLM's
+    traceback, and exits 7."""
+    home = tmp_path / "home"
+    target = home / "checkpoints" / bf16_checkpoint.name
+    target.mkdir(parents=True)
+    for f in bf16_checkpoint.iterdir():
+        os.link(f, target / f.name)
+    cgroup = make_memory_cgroup(f"spark-edge-start-death-{os.getpid()}", 1300 * MiB)
+    try:
+        cmd = [*cgroup.enter, sys.executable, "-m", "spark_edge.cli", "serve", "--weight-path", "bf16", "--port", "1"]
+        cmd += ["--memory-limit", str(8 << 30)]
+        run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SPARK_EDGE_HOME": str(home)})
+        assert run.returncode == 7, run.stderr[-3000:]
+        (error,) = [line for line in run.stderr.splitlines() if line.startswith("spark-edge: error:")]
+        assert error.startswith("spark-edge: error: the engine process was killed by SIGKILL"), error
+        assert "OOM killer" in error and "while starting" in error and "ceiling 8192 MiB" in error
+        assert "Traceback" not in run.stderr, run.stderr[-3000:]
+        assert cgroup.oom_kills() >= 1
+    finally:
+        cgroup.remove()

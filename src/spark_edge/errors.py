@@ -60,6 +60,7 @@ class PeerUnavailable(SparkEdgeError):
 
 
 class EngineDied(SparkEdgeError):
-    """The engine process died while serving (the OOM killer's SIGKILL, a crash): the server must exit non-zero."""
+    """The engine process died while starting or serving (the OOM killer's SIGKILL, a crash): the server must
+    exit non-zero."""
 
     exit_code = exit_codes.ENGINE_DIED

@@ -24,6 +24,6 @@ MEANINGS = {
     MEMORY: "the memory plan does not fit under the ceiling even at the minimum context",
     PEER: "`bench --peer`: the peer (llama.cpp) could not be built or converted (one line says why; the "
     "spark-edge arms were still measured)",
-    ENGINE_DIED: "`serve`: the engine process died while serving (killed by the OOM killer, or a crash); the "
-    "line says how",
+    ENGINE_DIED: "`serve`: the engine process died while starting or serving (killed by the OOM killer, or a "
+    "crash); the line says how",
 }

