@@ -30,6 +30,7 @@ from spark_edge.probe import (
 )
 from spark_edge.probe.cpu_features import decode_arm_hwcaps, read_auxv_hwcaps
 from spark_edge.probe.cpus import usable_cores
+from spark_edge.probe.isa import isa_label
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probe"
 GIB = 1 << 30
@@ -382,6 +383,25 @@ def test_other_architectures_are_refused(tmp_path: Path) -> None:
 )
 def test_recommended_image(tmp_path: Path, device: str, machine: str, image: str | None) -> None:
     assert recommended_image(probe_device(device_tree(tmp_path, device), machine=machine)) == image
+
+
+@pytest.mark.parametrize(
+    "device, machine, label",
+    [("sapphire_rapids", "x86_64", "amx"), ("zen4", "x86_64", "avx512"), ("haswell", "x86_64", "avx2")]
+    + [("raspberry_pi5", "aarch64", "arm64")],
+)
+def test_the_isa_label_names_the_image_that_fits(tmp_path: Path, device: str, machine: str, label: str) -> None:
+    """One classification: the label in spark_edge_build_info and the start log is the image that runs here."""
+    profile = probe_device(device_tree(tmp_path, device), machine=machine)
+    assert isa_label(profile) == label
+    if label != "avx2":
+        assert image_isa_problem(label, profile) is None
+
+
+def test_an_avx512f_cpu_without_avx512bw_is_labelled_avx2(tmp_path: Path) -> None:
+    zen4 = probe_device(device_tree(tmp_path, "zen4"), machine="x86_64")
+    partial = dataclasses.replace(zen4, features=zen4.features - {"avx512bw"})  # the images' AVX-512 needs all four
+    assert isa_label(partial) == "avx2" and image_isa_problem("avx512", partial) is not None
 
 
 def test_image_isa_check_names_the_image_to_use(tmp_path: Path) -> None:

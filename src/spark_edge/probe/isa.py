@@ -76,3 +76,13 @@ def bf16_native(profile: DeviceProfile) -> bool:
     if profile.machine == "aarch64":
         return profile.has("bf16")
     return profile.has("avx512_bf16") or (profile.amx_usable and profile.has("amx_bf16"))
+
+
+def isa_label(profile: DeviceProfile) -> str:
+    """The host's class, as the images and `spark_edge_build_info{isa=...}` name it: amx, avx512, avx2 or arm64
+    (the same tests as the images' fit, so a label never contradicts which image runs here)."""
+    if profile.machine == "aarch64":
+        return "arm64"
+    if amx_w4a8_ready(profile):
+        return "amx"
+    return "avx512" if has_avx512(profile) else "avx2"

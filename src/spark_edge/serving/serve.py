@@ -30,6 +30,7 @@ from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
 from spark_edge.planning.serving_plan import plan_compile_key, resolve_plan, resolve_weight_path
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
+from spark_edge.probe.isa import isa_label
 from spark_edge.probe.weight_path_choice import WeightPathChoice
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime.cache_digests import seal_used
@@ -86,15 +87,6 @@ class _Phases:
         t = time.monotonic()
         yield
         self.seconds[name] = time.monotonic() - t
-
-
-def isa_label(device: DeviceProfile) -> str:
-    """The image family this host runs: amx, avx512, avx2 or arm64."""
-    if device.machine == "aarch64":
-        return "arm64"
-    if device.amx_usable and device.has("amx_int8"):
-        return "amx"
-    return "avx512" if device.has("avx512f") else "avx2"
 
 
 def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: MemoryPlan) -> list[str]:
