@@ -143,6 +143,10 @@ def test_api_key_guards_generation_but_not_probes(bf16_server: Server) -> None:
     assert bf16_server.post("/v1/completions", body).status_code == 200
 
 
+def test_the_start_log_carries_no_warning_of_ours(bf16_server: Server) -> None:
+    assert "Found duplicate keys" not in bf16_server.log_path.read_text(errors="replace")  # the two middlewares
+
+
 def test_api_key_never_appears_in_the_logs(bf16_server: Server) -> None:
     assert "API key required" in bf16_server.log_path.read_text(errors="replace")
     assert bf16_server.api_key not in bf16_server.log_path.read_text(errors="replace")

@@ -102,8 +102,10 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
         "--kv-cache-memory-bytes", str(plan.kv_bytes),
         "--shutdown-timeout", str(req.shutdown_timeout),
-        "--middleware", draining.MIDDLEWARE,  # 503, not 500, for requests arriving during that drain
-        "--middleware", request_limits.MIDDLEWARE,  # 413 before a body over the limit is read
+        # one `--middleware=X` each: vLLM's parser appends them, and warns of "duplicate keys" if given as
+        # `--middleware X` twice
+        f"--middleware={draining.MIDDLEWARE}",  # 503, not 500, for requests arriving during that drain
+        f"--middleware={request_limits.MIDDLEWARE}",  # 413 before a body over the limit is read
         *layout_args(req.process_layout),
         *(["--quantization", method] if (method := published_format(checkpoint)) else []),
         *req.vllm_args,  # what spark-edge decides was refused before (passthrough.py); the rest goes as given
