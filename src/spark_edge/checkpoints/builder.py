@@ -21,7 +21,7 @@ from typing import Any
 from spark_edge import __version__
 from spark_edge.checkpoints.fingerprint import files_sha256
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest, verify_checkpoint, write_manifest
-from spark_edge.checkpoints.sources import open_source
+from spark_edge.checkpoints.sources import open_source, source_fingerprint
 from spark_edge.errors import CheckpointError
 from spark_edge.weight_paths import writers
 
@@ -100,10 +100,10 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
-def _inputs(source: Any, weight_path: str, params: dict[str, Any]) -> dict[str, Any]:
+def _inputs(fingerprint: dict[str, Any], weight_path: str, params: dict[str, Any]) -> dict[str, Any]:
     """What a build is made from: its manifest records them, and a build from other inputs is rebuilt."""
     return {
-        "source": source.fingerprint(),
+        "source": fingerprint,
         "weight_path": weight_path,
         "params": params,
         "tool": {"name": "spark-edge", "version": __version__, "code": builder_code_fingerprint()},
@@ -114,7 +114,7 @@ def is_up_to_date(model: str | Path | None, weight_path: str, out: Path) -> bool
     """`out` holds a verified build of `model` for `weight_path` with the writer's default options (what
     `serve` builds); raises CheckpointError if `out` holds something that is not a build of ours."""
     out = Path(out).expanduser().absolute()
-    return _existing_state(out, _inputs(open_source(model), weight_path, {})) is None
+    return _existing_state(out, _inputs(source_fingerprint(model), weight_path, {})) is None
 
 
 def build_checkpoint(
@@ -131,7 +131,7 @@ def build_checkpoint(
     params = dict(params or {})
     out = Path(out).expanduser().absolute()
     source = open_source(model)
-    inputs = _inputs(source, weight_path, params)
+    inputs = _inputs(source.fingerprint(), weight_path, params)
     with _exclusive(out):
         _remove_leftovers(out)
         reason = _existing_state(out, inputs)

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
+from spark_edge.checkpoints.sources import gguf_fingerprint
 from spark_edge.errors import CheckpointError
 
 _MAGIC = b"GGUF"
@@ -298,7 +298,7 @@ class GGUFSource:
         )
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": str(self.path.resolve()), "sha256": file_sha256(self.path)}
+        return gguf_fingerprint(self.path)
 
     def gguf_tensor_info(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """HF name -> (GGUF name, HF-order shape), for checks against the GGUF metadata."""

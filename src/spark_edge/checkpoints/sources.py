@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID, default_gguf
+from spark_edge.checkpoints.fingerprint import file_sha256
 from spark_edge.checkpoints.safetensors_stream import TensorSpec
 from spark_edge.errors import CheckpointError
 
@@ -41,6 +42,20 @@ def open_source(model: str | Path | None) -> CheckpointSource:
     if path.exists() or path.suffix == ".gguf":
         return GGUFSource(path)
     raise CheckpointError(f"{path}: no such file or folder")
+
+
+def gguf_fingerprint(path: Path) -> dict[str, Any]:
+    """What a build from this GGUF records of it: the file's identity, without parsing it."""
+    return {"kind": "gguf", "path": str(path.resolve()), "sha256": file_sha256(path)}
+
+
+def source_fingerprint(model: str | Path | None) -> dict[str, Any]:
+    """`open_source(model).fingerprint()`, without parsing a GGUF (seconds: its vocabulary, the meta model):
+    what `serve` compares with a build's manifest at every start."""
+    path = resolve_model(model)
+    if path.is_file() and not path.is_dir():
+        return gguf_fingerprint(path)
+    return open_source(model).fingerprint()
 
 
 def model_id(model: str | Path | None) -> str:
