@@ -12,6 +12,7 @@ import requests
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.planning.memory_plan import make_plan
 from spark_edge.planning.model_shape import ModelShape
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT
 
 from conftest import Server
 
@@ -125,7 +126,8 @@ def test_plan_predicts_the_measured_load_peak(bf16_server: Server, bf16_checkpoi
     15% of it."""
     config = json.loads((bf16_checkpoint / "config.json").read_text())
     m = _scrape(bf16_server)
-    plan = make_plan(ModelShape.from_config(config), "bf16", int(m["spark_edge_memory_limit_bytes"]), 2048, 4)
+    limit = int(m["spark_edge_memory_limit_bytes"])
+    plan = make_plan(ModelShape.from_config(config), "bf16", limit, 2048, 4, layout=DEFAULT_LAYOUT)
     measured = m["spark_edge_load_rss_anon_peak_bytes"]
     print(f"plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert measured <= m["spark_edge_plan_load_peak_bytes"]

@@ -54,6 +54,7 @@ def test_plan_predicts_the_measured_w4a16_load_peak(w4a16_server: Server) -> Non
 
     from spark_edge.planning.memory_plan import make_plan
     from spark_edge.planning.model_shape import ModelShape
+    from spark_edge.serving.process_layout import DEFAULT_LAYOUT
 
     text = w4a16_server.get("/metrics").text
     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -66,6 +67,7 @@ def test_plan_predicts_the_measured_w4a16_load_peak(w4a16_server: Server) -> Non
         2048,
         4,
         config["quantization_config"]["group_size"],
+        DEFAULT_LAYOUT,
     )
     measured = m["spark_edge_load_rss_anon_peak_bytes"]
     print(f"w4a16 plan load peak {plan.load_peak_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")

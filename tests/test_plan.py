@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from spark_edge import exit_codes
 from spark_edge.cli import main
+from spark_edge.errors import SettingRefused, UnsupportedHostError
 from spark_edge.planning.memory_plan import (
     MIN_CONTEXT,
     MIN_PREFILL_CHUNK,
@@ -212,3 +213,68 @@ def test_plan_reads_serves_variables_as_serve_does(bf16_checkpoint: Path) -> Non
     assert (planned["max_model_len"], planned["max_num_seqs"], planned["weight_path"]) == (1024, 2, "bf16")
     bad = CliRunner().invoke(main, ["plan", "--model", str(bf16_checkpoint)], env={"SPARK_EDGE_MAX_NUM_SEQS": "x"})
     assert bad.exit_code == exit_codes.USAGE and "SPARK_EDGE_MAX_NUM_SEQS" in bad.output
+
+
+# --- the KV cache's dtype ---------------------------------------------------------------------------
+
+
+def _device(tmp_path: Path, kind: str):
+    from test_probe import device_tree
+
+    from spark_edge.probe.device import probe_device
+
+    return probe_device(device_tree(tmp_path / kind, kind), machine="x86_64")
+
+
+def test_an_fp8_kv_cache_plans_half_the_bytes() -> None:
+    bf16 = make_plan(SMOLLM2, "w4a16", 16 << 30, 8192, max_num_seqs=4)
+    fp8 = make_plan(SMOLLM2, "w4a16", 16 << 30, 8192, max_num_seqs=4, kv_dtype="fp8")
+    assert fp8.kv_bytes * 2 == bf16.kv_bytes and fp8.kv_cache_dtype == "fp8"
+    assert "(fp8) for 32768 tokens" in fp8.summary()
+
+
+def test_auto_takes_fp8_only_where_bf16_would_cut_the_context(bf16_checkpoint: Path, tmp_path: Path) -> None:
+    from spark_edge.planning.ceiling import Ceiling
+    from spark_edge.planning.serving_plan import serving_plan
+
+    config = json.loads((bf16_checkpoint / "config.json").read_text())
+    zen4 = _device(tmp_path, "zen4")
+
+    def plan(ceiling: int, kv: str, device=zen4) -> MemoryPlan:
+        return serving_plan(device, config, "bf16", Ceiling(ceiling, "test"), 8192, 4, "engine", kv)
+
+    ample = plan(16 << 30, "auto")
+    assert ample.kv_cache_dtype == "bf16" and not ample.reduced_context
+    # a ceiling under which bf16 serves a shorter context than asked: fp8 serves a longer one
+    full = plan(16 << 30, "bf16")
+    tight = full.peak_bytes - full.kv_bytes + int(0.15 * full.kv_bytes)  # 0.6 of one full-length bf16 sequence
+    assert plan(_ceiling_for(tight), "bf16").reduced_context
+    chosen = plan(_ceiling_for(tight), "auto")
+    assert chosen.kv_cache_dtype == "fp8"
+    assert chosen.max_model_len > plan(_ceiling_for(tight), "bf16").max_model_len
+    # where fp8 cannot run (AVX2 only), auto stays bf16 and an explicit fp8 is refused with exit 4
+    haswell = _device(tmp_path, "haswell")
+    assert plan(_ceiling_for(tight), "auto", haswell).kv_cache_dtype == "bf16"
+    with pytest.raises(UnsupportedHostError, match="AVX-512 or AMX"):
+        plan(16 << 30, "fp8", haswell)
+
+
+def test_an_fp8_kv_cache_for_a_head_size_vllm_cannot_store_is_exit_2(bf16_checkpoint: Path, tmp_path: Path) -> None:
+    from spark_edge.planning.ceiling import Ceiling
+    from spark_edge.planning.serving_plan import serving_plan
+
+    config = json.loads((bf16_checkpoint / "config.json").read_text())
+    odd = {**config, "head_dim": 80}  # a multiple of 16, not of 32: vLLM's CPU attention refuses fp8 there
+    with pytest.raises(SettingRefused, match="multiple of 32") as refused:
+        serving_plan(_device(tmp_path, "zen4"), odd, "bf16", Ceiling(16 << 30, "test"), 2048, 4, "engine", "fp8")
+    assert refused.value.exit_code == exit_codes.USAGE
+
+
+def test_plan_command_takes_the_kv_cache_dtype(bf16_checkpoint: Path) -> None:
+    args = ["plan", "--model", str(bf16_checkpoint), "--kv-cache-dtype", "fp8", "--json"]
+    result = CliRunner().invoke(main, args)
+    if result.exit_code == exit_codes.UNSUPPORTED_HOST:  # this host has no AVX-512: refused, saying why
+        assert "AVX-512 or AMX" in result.output
+        return
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kv_cache_dtype"] == "fp8"

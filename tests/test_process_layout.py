@@ -1,9 +1,11 @@
-"""The served process layout, through real servers.
+"""The served process layouts, through real servers.
 
-The session's w4a16 server runs what `spark-edge serve` runs by default: vLLM's model worker
-inside the engine-core process. Servers started here run vLLM's own layout (the worker in a
-process of its own, which vLLM binds to one core) and ours on one thread, so the greedy
-token ids of the two layouts can be compared at equal thread counts.
+The session's w4a16 server runs what `spark-edge serve` runs by default. Servers started here run the
+other layouts: vLLM's own (the worker in a process of its own, which vLLM binds to one core), "engine"
+(the worker inside the engine-core process) and "single" (the engine core on a thread of the server's
+process), so that greedy token ids can be compared at equal thread counts and footprints side by side.
+A single-layout engine that raises or hangs ends its server with exit 7 (faults injected by
+tests/engine_faults/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import pytest
 import requests
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
-from spark_edge.metrics.process_tree import process_tree
+from spark_edge.metrics.process_tree import process_tree, tree_rss_anon_bytes
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT
 
-from conftest import Server, running_server
+from conftest import SESSION_API_KEY, Server, running_server
 
 pytestmark = pytest.mark.engine
+
+STUCK_STEP_S = 10  # the fault test's --stuck-step-timeout (the default is for real steps)
 
 PROMPTS = [
     "The capital of France is",
@@ -107,9 +112,91 @@ def engine_one_thread_server(
     )
 
 
-def test_default_layout_runs_the_worker_inside_the_engine_core(w4a16_server: Server) -> None:
-    pids = _vllm_processes(w4a16_server)
+def _layout_server(layout: str, w4a16_server: Server, home: Path, factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The session's w4a16 server if it runs `layout` (the default), else one of that layout."""
+    if layout == DEFAULT_LAYOUT:
+        yield w4a16_server
+        return
+    yield from running_server(f"w4a16_{layout}", ["--weight-path", "w4a16", "--process-layout", layout], home, factory)
+
+
+@pytest.fixture(scope="module")
+def engine_server(spark_edge_home: Path, w4a16_server: Server, tmp_path_factory: pytest.TempPathFactory):
+    yield from _layout_server("engine", w4a16_server, spark_edge_home, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def single_server(spark_edge_home: Path, w4a16_server: Server, tmp_path_factory: pytest.TempPathFactory):
+    yield from _layout_server("single", w4a16_server, spark_edge_home, tmp_path_factory)
+
+
+def test_engine_layout_runs_the_worker_inside_the_engine_core(engine_server: Server) -> None:
+    pids = _vllm_processes(engine_server)
     assert len(pids) == 2, "expected the API server and the engine core only:\n" + "\n".join(_cmdlines(pids))
+
+
+def test_single_layout_is_one_process(single_server: Server) -> None:
+    pids = _vllm_processes(single_server)
+    assert pids == [single_server.proc.pid], "expected the server process alone:\n" + "\n".join(_cmdlines(pids))
+    threads = [t.read_text().strip() for t in Path(f"/proc/{single_server.proc.pid}/task").glob("*/comm")]
+    assert "EngineCore" in threads, threads
+
+
+def test_single_and_engine_layouts_decode_the_same_tokens(single_server: Server, engine_server: Server) -> None:
+    """The same engine code and thread count, in a thread instead of a process: the very same tokens."""
+    assert _greedy_token_ids(single_server) == _greedy_token_ids(engine_server)
+
+
+def test_single_layout_holds_less_than_the_two_process_one(single_server: Server, engine_server: Server) -> None:
+    """#34's footprint, as a ratio measured here: the whole tree's anonymous RSS after the same requests."""
+    for server in (single_server, engine_server):
+        _greedy_token_ids(server)
+    single, engine = (tree_rss_anon_bytes(process_tree(s.proc.pid)) for s in (single_server, engine_server))
+    print(f"settled anonymous RSS: single {single / 2**20:.0f} MiB, engine {engine / 2**20:.0f} MiB")
+    assert single <= 0.8 * engine
+
+
+def test_single_layout_streams_eight_at_once(single_server: Server) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        streamed = list(pool.map(lambda i: _stream(single_server, i), range(8)))
+    assert all(n > 0 for n in streamed), streamed
+    assert single_server.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_a_single_layout_engine_that_fails_ends_the_server_with_exit_7(
+    fault: str, spark_edge_home: Path, w4a16_server: Server, tmp_path: Path
+) -> None:
+    """The engine is a thread now: an exception in a step, or a step that never returns, ends the server as an
+    engine process's death does (503, then exit 7 naming the cause), within vLLM's 5 s watchdog of being seen."""
+    flag = tmp_path / "fault"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "engine_faults"), os.environ.get("PYTHONPATH", "")]),
+        "SPARK_EDGE_TEST_ENGINE_FAULT": str(flag),
+    }
+    args = ["--weight-path", "w4a16", "--process-layout", "single", "--stuck-step-timeout", str(STUCK_STEP_S)]
+    server = Server(args, spark_edge_home, tmp_path / "server.log", env=env, api_key=SESSION_API_KEY)
+    try:
+        server.wait_ready()
+        flag.write_text(fault)
+        body = {"model": DEFAULT_MODEL_ID, "prompt": "Hello", "max_tokens": 4}
+        failed_at = time.monotonic()
+        try:
+            reply = server.post("/v1/completions", body, timeout=STUCK_STEP_S + 15)
+            assert reply.status_code >= 500, reply.text  # the request in flight fails ...
+        except requests.ConnectionError:
+            pass  # ... or its connection closes with the server
+        detect = STUCK_STEP_S if fault == "hang" else 0
+        code = server.proc.wait(detect + 10 + 5)
+        elapsed = time.monotonic() - failed_at
+        assert code == 7, server.log_tail()
+        log = server.log_path.read_text(errors="replace")
+        why = "injected engine fault" if fault == "raise" else "stuck in one step"
+        (error,) = [line for line in log.splitlines() if line.startswith("spark-edge: error:")]
+        assert why in error, error
+        print(f"{fault}: exit 7 {elapsed:.1f} s after the faulty request")
+    finally:
+        server.stop()
 
 
 def test_split_layout_has_a_worker_process_of_its_own(split_server: Server) -> None:

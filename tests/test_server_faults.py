@@ -33,8 +33,10 @@ GOOD = {"model": DEFAULT_MODEL_ID, "prompt": "The capital of France is", "max_to
 def fault_server(
     bf16_server: Server, spark_edge_home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """bf16 without an API key; started after bf16_server so its compile cache is warm."""
-    server = Server(["--weight-path", "bf16"], spark_edge_home, tmp_path_factory.mktemp("logs") / "faults.log")
+    """bf16 without an API key; started after bf16_server so its compile cache is warm. In the engine layout: the
+    OOM killer's pick below is an engine process (in the single layout it would kill the server itself)."""
+    args = ["--weight-path", "bf16", "--process-layout", "engine"]
+    server = Server(args, spark_edge_home, tmp_path_factory.mktemp("logs") / "faults.log")
     try:
         server.wait_ready()
         yield server

@@ -31,6 +31,7 @@ from spark_edge.planning.memory_plan import MemoryPlan, MiB, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import probe_device
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT
 
 from conftest import Server
 
@@ -107,8 +108,9 @@ def make_memory_cgroup(name: str, limit: int) -> MemoryCgroup:
 def cold_plan(shape: ModelShape, ceiling: int, **kw) -> MemoryPlan:
     """The bf16 plan of a start that compiles (the first one on a data folder, or a new context)."""
     return make_plan(
-        shape, "bf16", ceiling, REQUESTED_CONTEXT, MAX_NUM_SEQS, compile_transient=COMPILER_TRANSIENT_BYTES, **kw
-    )
+        shape, "bf16", ceiling, REQUESTED_CONTEXT, MAX_NUM_SEQS, layout=DEFAULT_LAYOUT,
+        compile_transient=COMPILER_TRANSIENT_BYTES, **kw,
+    )  # fmt: skip
 
 
 def plan_bands(shape: ModelShape) -> dict[object, tuple[int, int]]:
@@ -386,7 +388,7 @@ def test_a_restart_resumes_warm(
     monkeypatch.setenv("SPARK_EDGE_HOME", str(limited.home))
     features = sorted(probe_device().features)
     ceiling = int(m["spark_edge_memory_limit_bytes"])
-    baseline = calibrated_baseline(features, "bf16", "engine")
+    baseline = calibrated_baseline(features, "bf16", DEFAULT_LAYOUT)
     expected = cold_plan(shape, ceiling, calibrated_baseline=baseline).max_model_len
     assert m["spark_edge_max_model_len_tokens"] == expected
     log = second.log_path.read_text(errors="replace")
@@ -438,7 +440,7 @@ def _smallest_first_start_ceiling(home: Path, monkeypatch: pytest.MonkeyPatch) -
 
     def fits(mib: int) -> bool:
         try:
-            resolve_plan(device, choice, None, config, mib * MiB, 2048, MAX_NUM_SEQS, "engine")
+            resolve_plan(device, choice, None, config, mib * MiB, 2048, MAX_NUM_SEQS, DEFAULT_LAYOUT)
             return True
         except PlanRefused:
             return False
@@ -505,7 +507,7 @@ def test_an_engine_killed_while_starting_ends_serve_with_exit_7_in_one_line(
     cgroup = make_memory_cgroup(f"spark-edge-start-death-{os.getpid()}", 1300 * MiB)
     try:
         cmd = [*cgroup.enter, sys.executable, "-m", "spark_edge.cli", "serve", "--weight-path", "bf16", "--port", "1"]
-        cmd += ["--memory-limit", str(8 << 30)]
+        cmd += ["--memory-limit", str(8 << 30), "--process-layout", "engine"]  # an engine process to be killed
         run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SPARK_EDGE_HOME": str(home)})
         assert run.returncode == 7, run.stderr[-3000:]
         (error,) = [line for line in run.stderr.splitlines() if line.startswith("spark-edge: error:")]

@@ -14,9 +14,9 @@ import pytest
 from spark_edge import exit_codes
 from spark_edge.errors import InputFileError
 from spark_edge.serving.passthrough import check_pass_through, describe, vllm_args_from
-from spark_edge.serving.process_layout import layout_env
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_env
 
-DECIDED = layout_env("engine")
+DECIDED = layout_env(DEFAULT_LAYOUT)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ DECIDED = layout_env("engine")
         (("--max_num_seqs=8",), ("--max-num-seqs", "spark-edge serve --max-num-seqs")),  # vLLM's underscores
         (("--max-num-batched-tokens", "8192"), ("--max-num-batched-tokens", "--memory-limit")),
         (("--kv-cache-memory-bytes", "1000000"), ("--kv-cache-memory-bytes", "--memory-limit")),
-        (("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "bf16 KV cache")),
+        (("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "use spark-edge serve --kv-cache-dtype")),
         (("-q", "awq"), ("--quantization", "--weight-path")),
         (("--dtype", "bfloat16"), ("--dtype", "--weight-path")),  # even the value spark-edge would pass
         (("--port", "9000"), ("--port", "spark-edge serve --port")),

@@ -31,6 +31,12 @@ class InputFileError(SparkEdgeError):
     exit_code = exit_codes.CHECKPOINT
 
 
+class SettingRefused(SparkEdgeError):
+    """A setting this model cannot run with (exit 2, like a bad flag); the message says which and why."""
+
+    exit_code = exit_codes.USAGE
+
+
 class UnsupportedHostError(SparkEdgeError):
     """This CPU cannot run vLLM's CPU kernels, or not the weight path or image asked for.
 

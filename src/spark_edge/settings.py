@@ -14,13 +14,23 @@ from pathlib import Path
 import click
 
 from spark_edge import weight_paths
+from spark_edge.planning.kv_dtype import KV_DTYPES
 from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, DEFAULT_STUCK_STEP_S, LAYOUTS, STUCK_STEP_ENV
 from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
 # What the memory plan depends on: `spark-edge plan` takes these, `serve` and `warm` all of them
-PLAN_SETTINGS = ("model", "weight_path", "priority", "max_model_len", "max_num_seqs", "memory_limit", "process_layout")
+PLAN_SETTINGS = (
+    "model",
+    "weight_path",
+    "priority",
+    "max_model_len",
+    "max_num_seqs",
+    "memory_limit",
+    "kv_cache_dtype",
+    "process_layout",
+)
 
 
 def setting(*decls: str, envvar: str, **kwargs) -> Callable:
@@ -122,6 +132,24 @@ SETTINGS: dict[str, Callable] = {
         envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
         help="Largest request body accepted; a larger one gets 413 before it is read.",
     ),
+    "kv_cache_dtype": setting(
+        "--kv-cache-dtype",
+        type=click.Choice(KV_DTYPES),
+        default="auto",
+        show_default=True,
+        envvar="SPARK_EDGE_KV_CACHE_DTYPE",
+        help="The KV cache's dtype. auto: bf16, or fp8 where only fp8 fits the context asked for (said at "
+        "start); fp8 halves the KV cache and needs AVX-512 or AMX and a head size that is a multiple of 32.",
+    ),
+    "stuck_step_timeout": setting(
+        "--stuck-step-timeout",
+        type=click.IntRange(0),
+        default=DEFAULT_STUCK_STEP_S,
+        show_default=True,
+        envvar=STUCK_STEP_ENV,
+        help="single layout: seconds one engine step may run before the engine counts as stuck and the server "
+        "exits 7 (0: never). The longest honest step is a prefill chunk of the largest model on the slowest host.",
+    ),
     "process_layout": setting(
         "--process-layout",
         type=click.Choice(LAYOUTS),
@@ -129,7 +157,8 @@ SETTINGS: dict[str, Callable] = {
         show_default=True,
         envvar="SPARK_EDGE_PROCESS_LAYOUT",
         help="engine: vLLM's model worker inside its engine-core process (fastest on few cores); "
-        "split: vLLM's default, the worker in a process of its own.",
+        "split: vLLM's default, the worker in a process of its own; single: the engine core on a thread "
+        "of the server's own process (one runtime in memory).",
     ),
 }
 VLLM_ARGS = click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_OPTIONS...]")

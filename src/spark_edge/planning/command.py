@@ -29,6 +29,7 @@ def plan(
     max_model_len: int,
     max_num_seqs: int,
     memory_limit: int | None,
+    kv_cache_dtype: str,
     process_layout: str,
     as_json: bool,
 ) -> None:
@@ -41,9 +42,9 @@ def plan(
     device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
     choice = resolve_weight_path(device, priority, weight_path)  # as serve's
     try:
-        result = resolve_plan(
-            device, choice, model, model_config(model), memory_limit, max_model_len, max_num_seqs, process_layout
-        ).plan
+        config = model_config(model)
+        asked = (memory_limit, max_model_len, max_num_seqs, process_layout)
+        result = resolve_plan(device, choice, model, config, *asked, kv_dtype=kv_cache_dtype).plan
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))

@@ -7,9 +7,9 @@ w4a16), and on a first start under the smallest limit the plan then accepted, th
 OOM-killed at that moment. A start that loads its graph from the cache runs no compiler.
 
 vLLM's own cache key is its whole config, which is only known inside vLLM. So once a server (or
-`warm`) is ready, the cache root records the key of what it now holds (COMPILED_FILE): the model
-asked for, the weight path and the options the plan decides (context, sequences, prefill chunk), and
-the stamp of the root (compile_cache.cache_stamp: ISA, torch, vLLM). A start whose key is recorded
+`warm`) is ready, the cache root records the key of what it now holds (COMPILED_FILE): the checkpoint
+folder, the weight path and what the plan decides (context, sequences, prefill chunk, KV cache dtype),
+under the root's stamp (compile_cache.cache_stamp: ISA, torch, vLLM). A start whose key is recorded
 under the same stamp plans warm; any other start plans the compiler too. A wrong guess can only be
 towards caution: a key not recorded (other vLLM options, a damaged artifact deleted) plans the
 compiler even where vLLM would have found its graph.
@@ -37,9 +37,11 @@ def compile_cache_root(weight_path: str) -> Path:
     return spark_edge_home() / "vllm-cache" / weight_path
 
 
-def compile_key(model: str, weight_path: str, max_model_len: int, max_num_seqs: int, prefill_chunk: int) -> str:
-    """What makes vLLM compile anew, of what spark-edge decides (`model`: the model as asked for)."""
-    parts = [model, weight_path, max_model_len, max_num_seqs, prefill_chunk]
+def compile_key(
+    checkpoint: str, weight_path: str, max_model_len: int, max_num_seqs: int, prefill_chunk: int, kv_dtype: str
+) -> str:
+    """What makes vLLM compile anew, of what spark-edge decides (`checkpoint`: the folder vLLM loads)."""
+    parts = [checkpoint, weight_path, max_model_len, max_num_seqs, prefill_chunk, kv_dtype]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

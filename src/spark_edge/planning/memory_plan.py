@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from spark_edge.errors import PlanRefused
+from spark_edge.planning.kv_dtype import KV_DTYPE_BYTES
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
 from spark_edge.probe.cpu_features import host_has_bf16_gemm
@@ -33,7 +34,10 @@ MiB = 1 << 20
 # (serving/process_layout.py): "split" runs API server, engine core and worker; "engine" has
 # no worker process of its own, which measured ~400 MiB less settled (1306-1442 vs 1696-1841 MiB
 # on w4a16, side by side in one bench run).
-RUNTIME_BASELINE_BYTES = {"engine": 1200 * MiB, "split": 1600 * MiB}
+# "single" (the engine core on a thread of the API server's process) settled at 841 MiB warm and 984 MiB after a
+# cold compile on an AMD EPYC Zen 4 host (w4a16, default options: 271 MiB of weights, KV and activations), so
+# ~710 MiB of runtime; its load peak on a cold start ran 943-1133 MiB (the compiler's share of it varies).
+RUNTIME_BASELINE_BYTES = {"engine": 1200 * MiB, "split": 1600 * MiB, "single": 750 * MiB}
 # Resident weights: the 4-bit paths keep one buffer per weight (their checkpoint bytes). bf16 keeps its
 # checkpoint plus copies of the vocabulary table: vLLM's CPU head packs the (tied) table for oneDNN beside the
 # embedding's own. Measured as settled anonymous RSS minus everything else, in copies of the table (vocab x
@@ -98,6 +102,7 @@ class MemoryPlan:
     load_transient_bytes: int
     logits_transient_bytes: int
     compile_transient_bytes: int  # the C++ compiler beside the engine when this start compiles; 0 when warm
+    kv_cache_dtype: str  # "bf16" or "fp8" (planning/kv_dtype.py)
     max_model_len: int
     requested_max_model_len: int
     max_num_seqs: int
@@ -164,7 +169,8 @@ class MemoryPlan:
         return (
             f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
             f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
-            f"{mib(self.kv_bytes)} for {self.kv_tokens} tokens + activations {mib(self.activation_bytes)}; "
+            f"{mib(self.kv_bytes)} ({self.kv_cache_dtype}) for {self.kv_tokens} tokens + activations "
+            f"{mib(self.activation_bytes)}; "
             f"load transient {mib(self.load_transient_bytes)}" + compiling + f", prompt-logprobs transient "
             f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
             f"with {mib(self.headroom_bytes)} headroom; {ctx}"
@@ -182,13 +188,19 @@ def logits_transient_bytes(shape: ModelShape, max_num_batched_tokens: int) -> in
     return max_num_batched_tokens * shape.vocab * PROMPT_LOGPROBS_BYTES_PER_LOGIT
 
 
-def kv_bytes_for(shape: ModelShape, tokens: int, seqs: int = 1, in_flight_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+def kv_bytes_for(
+    shape: ModelShape,
+    tokens: int,
+    seqs: int = 1,
+    in_flight_tokens: int = PREFILL_CHUNK_TOKENS,
+    kv_dtype: str = "bf16",
+) -> int:
     """KV cache for `seqs` sequences of `tokens` tokens: whole blocks, plus the one vLLM's block pool
     keeps as its null block (without it, a KV sized for one full-length sequence is refused at start:
     "estimated maximum model length is 3968" for 4096). Sliding-window layers are charged only their
     window plus the tokens in flight (ModelShape.kv_cache_bytes); CPU vLLM has one batch in flight
     (no async scheduling there), of up to max_num_batched_tokens (the prefill chunk)."""
-    return shape.kv_cache_bytes(tokens, seqs, in_flight_tokens, KV_BLOCK_TOKENS)
+    return shape.kv_cache_bytes(tokens, seqs, in_flight_tokens, KV_BLOCK_TOKENS, KV_DTYPE_BYTES[kv_dtype])
 
 
 def _plan(
@@ -203,6 +215,7 @@ def _plan(
     baseline: int,
     batched: int,
     compile_transient: int,
+    kv_dtype: str,
 ) -> MemoryPlan:
     weights = resident_weight_bytes(shape, weight_path, group)
     return MemoryPlan(
@@ -211,13 +224,14 @@ def _plan(
         headroom_bytes=max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * ceiling)),
         baseline_bytes=baseline,
         weights_bytes=weights,
-        kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched),
+        kv_bytes=kv_bytes_for(shape, context, kv_tokens // context, batched, kv_dtype),
         kv_tokens=kv_tokens,
         activation_bytes=activation_bytes(shape, batched, max_num_seqs),
         load_transient_bytes=LOAD_TRANSIENT_FIXED_BYTES
         + int(weight_path_spec(weight_path).load_transient_fraction * weights),
         logits_transient_bytes=logits_transient_bytes(shape, batched),
         compile_transient_bytes=compile_transient,
+        kv_cache_dtype=kv_dtype,
         max_model_len=context,
         requested_max_model_len=requested,
         max_num_seqs=max_num_seqs,
@@ -244,12 +258,13 @@ def make_plan(
     layout: str = "engine",
     calibrated_baseline: int | None = None,
     compile_transient: int = 0,
+    kv_dtype: str = "bf16",
 ) -> MemoryPlan:
     """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused.
 
     `calibrated_baseline`: this host's measured runtime baseline (planning/calibration.py); the plan
     takes the larger of it and the constant. `compile_transient`: what compiling adds to the load peak
-    when this start compiles (planning/compile_state.py)."""
+    when this start compiles (planning/compile_state.py); `kv_dtype`: "bf16" or "fp8"."""
     baseline = max(RUNTIME_BASELINE_BYTES[layout], calibrated_baseline or 0)
     context = max_model_len
     while True:
@@ -268,6 +283,7 @@ def make_plan(
                     baseline,
                     batched,
                     compile_transient,
+                    kv_dtype,
                 )
                 if plan.fits:
                     return plan

@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from spark_edge import registry
+from spark_edge import exit_codes, registry
 from spark_edge.checkpoints.sources import model_id
-from spark_edge.errors import PlanRefused
+from spark_edge.errors import PlanRefused, SettingRefused, UnsupportedHostError
 from spark_edge.paths import checkpoint_dir
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
 from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES, compile_cache_root, compile_key, is_compiled
+from spark_edge.planning.kv_dtype import fp8_problem
 from spark_edge.planning.memory_plan import MemoryPlan, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile
@@ -46,28 +47,58 @@ def serving_plan(
     max_model_len: int,
     max_num_seqs: int,
     layout: str,
+    kv_dtype: str = "bf16",
     compiled: Callable[[MemoryPlan], bool] = lambda plan: False,
 ) -> MemoryPlan:
-    """Raises PlanRefused, its message led by where the ceiling came from. `compiled`: whether the cache
-    holds a plan's graph; a plan whose graph it does not hold counts the compiler."""
+    """Raises PlanRefused, its message led by where the ceiling came from, or SettingRefused /
+    UnsupportedHostError for an fp8 KV cache this model or host cannot run. `kv_dtype`: auto, bf16 or fp8
+    (kv_dtype.py). `compiled`: whether the cache holds a plan's graph; a plan whose graph it does not hold
+    counts the compiler."""
     shape = ModelShape.from_config(config)
     baseline = calibrated_baseline(sorted(device.features), weight_path, layout)
     group = quant_group(config, weight_path, shape)
 
-    def plan(compile_transient: int) -> MemoryPlan:
-        return make_plan(
-            shape, weight_path, ceiling.bytes, max_model_len, max_num_seqs, group, layout, baseline, compile_transient
-        )
+    def plan_for(kv: str) -> MemoryPlan:
+        def plan(compile_transient: int) -> MemoryPlan:
+            return make_plan(
+                shape, weight_path, ceiling.bytes, max_model_len, max_num_seqs, group, layout, baseline,
+                compile_transient, kv,
+            )  # fmt: skip
 
-    try:
         warm = plan(0)
         if compiled(warm):
             return warm
         cold = plan(COMPILER_TRANSIENT_BYTES)
         # what an earlier start under this ceiling compiled: its graph is in the cache, this start loads it
         return replace(cold, compile_transient_bytes=0) if compiled(cold) else cold
+
+    fp8 = fp8_problem(device, shape)
+    if kv_dtype == "fp8" and fp8 is not None:
+        code, why = fp8
+        raise (UnsupportedHostError if code == exit_codes.UNSUPPORTED_HOST else SettingRefused)(why)
+    try:
+        if kv_dtype != "auto":
+            return plan_for(kv_dtype)
+        return _auto_kv_plan(plan_for, fp8_runs=fp8 is None)
     except PlanRefused as exc:  # before vLLM is even imported: nothing to OOM-kill, nothing to crash-loop
         raise PlanRefused(f"{ceiling.describe()}: {exc}", exc.plan) from None
+
+
+def _auto_kv_plan(plan_for: Callable[[str], MemoryPlan], fp8_runs: bool) -> MemoryPlan:
+    """bf16, unless it serves a shorter context than asked (or none) and fp8, where it runs, serves longer."""
+    try:
+        bf16 = plan_for("bf16")
+    except PlanRefused:
+        if not fp8_runs:
+            raise
+        return plan_for("fp8")
+    if not (bf16.reduced_context and fp8_runs):
+        return bf16
+    try:
+        fp8 = plan_for("fp8")
+    except PlanRefused:
+        return bf16
+    return fp8 if fp8.max_model_len > bf16.max_model_len else bf16
 
 
 def resolve_weight_path(device: DeviceProfile, priority: str, setting: str) -> WeightPathChoice:
@@ -92,6 +123,7 @@ def resolve_plan(
     max_num_seqs: int,
     layout: str,
     own_anon: int | None = None,
+    kv_dtype: str = "auto",
 ) -> ResolvedPlan:
     """`model`: what was asked for, or the checkpoint built from it; `config`: its config.json. Raises
     PlanRefused. `own_anon`: this process's anonymous RSS when the probe read the cgroup (default: now)."""
@@ -106,11 +138,12 @@ def resolve_plan(
     def compiled(plan: MemoryPlan) -> bool:
         return is_compiled(root, stamp, plan_compile_key(served, plan))
 
-    plan = serving_plan(device, config, path, ceiling, max_model_len, max_num_seqs, layout, compiled)
+    plan = serving_plan(device, config, path, ceiling, max_model_len, max_num_seqs, layout, kv_dtype, compiled)
     return ResolvedPlan(path, ceiling, plan)
 
 
 def plan_compile_key(checkpoint: Path, plan: MemoryPlan) -> str:
     """The compile key of a server of `checkpoint` (the folder vLLM loads) run with `plan`."""
     folder = str(checkpoint.expanduser().absolute())
-    return compile_key(folder, plan.weight_path, plan.max_model_len, plan.max_num_seqs, plan.max_num_batched_tokens)
+    decided = (plan.max_model_len, plan.max_num_seqs, plan.max_num_batched_tokens, plan.kv_cache_dtype)
+    return compile_key(folder, plan.weight_path, *decided)

@@ -52,6 +52,7 @@ def apply_runtime_fixes() -> None:
     when_imported("vllm.v1.engine.async_llm", _patch_drain_start)
     when_imported("torch.distributed.distributed_c10d", _patch_single_rank_gloo)
     when_imported("uvicorn.server", _patch_uvicorn_tick)
+    when_imported("vllm.v1.engine.core_client", _patch_inproc_async_client)
 
 
 def _is_ours(fn: Any) -> bool:
@@ -430,3 +431,55 @@ def _patch_uvicorn_tick(server: ModuleType) -> None:
     if _is_ours(loop):
         return
     cls.main_loop = _mark(functools.wraps(loop)(_main_loop_once_a_second), "uvicorn_tick")
+
+
+# --- 8. The `single` process layout: AsyncLLM's engine core on a thread of the server ---------------
+#
+# vLLM behaviour: `AsyncLLM.__init__` gets its engine client from
+# `EngineCoreClient.make_async_mp_client`, which always starts the engine core in a process of its
+# own (`make_client` refuses asyncio without multiprocessing). That process imports torch and vLLM
+# again: on the default model the two runtimes are most of the server's memory and of its start.
+#
+# The correction: when the process layout is `single` (SPARK_EDGE_PROCESS_LAYOUT, set by serve),
+# `make_async_mp_client` returns spark-edge's in-process client (runtime/inproc_engine.py), which runs
+# vLLM's own engine-core loop on a thread. Every other layout is untouched.
+#
+# Turns itself off: if vLLM's `make_client` no longer refuses an in-process asyncio engine (vLLM then
+# ships its own), or `make_async_mp_client` is gone, nothing is patched and a warning says so; serve
+# then runs vLLM's layout.
+
+SINGLE_LAYOUT = "single"
+
+
+def inproc_client_wanted() -> bool:
+    return os.environ.get("SPARK_EDGE_PROCESS_LAYOUT") == SINGLE_LAYOUT
+
+
+def _patch_inproc_async_client(core_client: ModuleType) -> None:
+    if not inproc_client_wanted():
+        return
+    cls = getattr(core_client, "EngineCoreClient", None)
+    make = getattr(cls, "make_async_mp_client", None)
+    refuses = "without multiprocessing" in _source(getattr(cls, "make_client", None))
+    if make is None or not refuses:
+        _LOG.warning("spark-edge: vLLM's engine client changed; the single process layout is not installed")
+        return
+    if _is_ours(make):
+        return
+
+    def make_inproc_client(*args: Any, **kwargs: Any) -> Any:
+        from spark_edge.runtime.inproc_engine import AsyncInprocClient
+
+        return AsyncInprocClient(*args, **kwargs)
+
+    cls.make_async_mp_client = staticmethod(_mark(make_inproc_client, "inproc_async_client"))
+
+
+def _source(fn: Any) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return ""
+

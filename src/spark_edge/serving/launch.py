@@ -33,6 +33,8 @@ def engine_death(engine_client: Any) -> str | None:
 
     if not engine_client.errored or draining.is_draining():
         return None
+    if death := getattr(getattr(engine_client, "engine_core", None), "death", None):  # the single layout's thread
+        return death
     manager = getattr(getattr(engine_client, "engine_core", None), "resources", None)
     processes = getattr(getattr(manager, "engine_manager", None), "processes", [])
     codes = [p.exitcode for p in processes if p.exitcode is not None]
@@ -52,6 +54,8 @@ def start_death(exc: RuntimeError, oom_kills_before: int, memory: str) -> str | 
     its sentinel fired first; the memory cgroup's OOM-kill counter then tells an OOM kill apart."""
     if not str(exc).startswith(_START_FAILED):
         return None
+    if in_process := re.search(r"\(in this process: (.*)\)\.", str(exc)):  # the single layout's engine thread
+        return f"the engine failed while starting: {in_process.group(1)} (vLLM's log above says why)"
     codes = [int(c) for c in re.findall(r"': (-?\d+)", str(exc))]
     oom = oom_kills() > oom_kills_before
     if oom or (codes and codes[0] == -signal.SIGKILL):

@@ -26,6 +26,7 @@ from spark_edge.paths import spark_edge_home
 from spark_edge.planning.calibration import record_load_peak
 from spark_edge.planning.ceiling import Ceiling
 from spark_edge.planning.compile_state import compile_cache_root, record_compiled
+from spark_edge.planning.kv_dtype import VLLM_KV_DTYPE
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
 from spark_edge.planning.serving_plan import plan_compile_key, resolve_plan, resolve_weight_path
 from spark_edge.probe.device import DeviceProfile, probe_device
@@ -37,7 +38,13 @@ from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining, passthrough, request_limits
 from spark_edge.serving.checkpoint import check_published_tensors, checkpoint_for_serving, published_format
-from spark_edge.serving.process_layout import DEFAULT_LAYOUT, layout_args, layout_env
+from spark_edge.serving.process_layout import (
+    DEFAULT_LAYOUT,
+    DEFAULT_STUCK_STEP_S,
+    STUCK_STEP_ENV,
+    layout_args,
+    layout_env,
+)
 
 # SIGTERM: in-flight requests get this long to finish before they are aborted (vLLM's drain mode)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20  # inside the 30 s Kubernetes gives by default, with room to tear down
@@ -57,6 +64,8 @@ class ServeRequest:
     api_key_file: Path | None = None
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S
     process_layout: str = DEFAULT_LAYOUT
+    kv_cache_dtype: str = "auto"
+    stuck_step_timeout: int = DEFAULT_STUCK_STEP_S
     max_request_bytes: int = request_limits.DEFAULT_MAX_REQUEST_BYTES
     vllm_args: tuple[str, ...] = ()  # vLLM's own options, after spark-edge's (serving/passthrough.py)
 
@@ -101,6 +110,7 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         # the plan bounds what one step holds (a prompt_logprobs step keeps logits for every token of it)
         "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
         "--kv-cache-memory-bytes", str(plan.kv_bytes),
+        "--kv-cache-dtype", VLLM_KV_DTYPE[plan.kv_cache_dtype],
         "--shutdown-timeout", str(req.shutdown_timeout),
         # one `--middleware=X` each: vLLM's parser appends them, and warns of "duplicate keys" if given as
         # `--middleware X` twice
@@ -199,6 +209,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         req.max_num_seqs,
         req.process_layout,
         own_anon,
+        req.kv_cache_dtype,
     )
     path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
     return Prepared(
@@ -236,6 +247,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     env = server_env(p.device, p.run_dir, p.cache_root, req.process_layout)
     os.environ.update(env)
     os.environ[request_limits.LIMIT_ENV] = str(req.max_request_bytes)  # read by the middleware in this process
+    os.environ[STUCK_STEP_ENV] = str(req.stuck_step_timeout)  # read by the single layout's engine watchdog
     if api_key:
         # vLLM guards /v1/* (and /v2, /inference) with it; /health and /metrics stay open for probes.
         # Through the environment, not argv: vLLM logs its non-default arguments.
@@ -276,6 +288,11 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         log(
             f"memory: serving a {p.plan.max_model_len}-token context, not the {p.plan.requested_max_model_len} "
             f"asked for: only that fits under the {p.ceiling.describe()}"
+        )
+    if req.kv_cache_dtype == "auto" and p.plan.kv_cache_dtype == "fp8":
+        log(
+            f"memory: an fp8 KV cache, not bf16: with bf16 only a shorter context than {p.plan.max_model_len} "
+            f"tokens fits under the {p.ceiling.describe()} (--kv-cache-dtype bf16 to keep bf16)"
         )
     if p.plan.reduced_prefill_chunk:
         log(
