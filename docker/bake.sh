@@ -41,6 +41,15 @@ warm() {
     case $status in
     0)
         cp -a "$SPARK_EDGE_HOME/vllm-cache" "$SPARK_EDGE_BAKED_CACHE/vllm-cache"
+        # The mapped weights (runtime/mapped_weights.py) stay in the image, beside the baked cache rather
+        # than in it: the entrypoint copies the cache into the data folder, and every container of the image
+        # maps this one read-only file instead (one copy of the weights in the node's page cache).
+        for folder in "$SPARK_EDGE_BAKED_CACHE"/vllm-cache/*/; do
+            if [ -d "${folder}mapped-weights" ]; then
+                mkdir -p "$SPARK_EDGE_BAKED_CACHE/mapped-weights"
+                mv "${folder}mapped-weights" "$SPARK_EDGE_BAKED_CACHE/mapped-weights/$(basename "$folder")"
+            fi
+        done
         # torch writes compiled artifacts 0600; the image's user copies them at start.
         chmod -R a+rX "$SPARK_EDGE_BAKED_CACHE"
         echo "bake: compile cache baked ($(du -sh "$SPARK_EDGE_BAKED_CACHE/vllm-cache" | cut -f1))"

@@ -48,11 +48,11 @@ def process_tree(root_pid: int) -> list[int]:
     return tree
 
 
-def rss_anon_bytes(pid: int) -> int:
-    """RssAnon of one process; 0 if it has gone."""
+def rss_anon_bytes(pid: int, field: str = "RssAnon") -> int:
+    """RssAnon (or another /proc/PID/status RSS field: RssFile) of one process; 0 if it has gone."""
     try:
         for line in (_PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -61,6 +61,12 @@ def rss_anon_bytes(pid: int) -> int:
 
 def tree_rss_anon_bytes(pids: list[int]) -> int:
     return sum(rss_anon_bytes(pid) for pid in pids)
+
+
+def tree_rss_file_bytes(pids: list[int]) -> int:
+    """File-backed RSS summed over the tree: mapped weights and libraries (pages shared between processes
+    count once per process; the kernel can drop them under pressure)."""
+    return sum(rss_anon_bytes(pid, "RssFile") for pid in pids)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

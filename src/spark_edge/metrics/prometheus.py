@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from spark_edge.metrics.process_tree import TreeRssSampler, tree_cpu_seconds
+from spark_edge.metrics.process_tree import TreeRssSampler, tree_cpu_seconds, tree_rss_file_bytes
 from spark_edge.runtime import compile_cache
 
 # Why a compiled graph was not loaded, as the runtime records it: per load attempt (runtime/fixes.py)
@@ -94,6 +94,10 @@ def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Series:
 SERIES = (
     _gauge("spark_edge_process_rss_anon_bytes", "Anonymous RSS summed over the server's process tree"),
     _gauge("spark_edge_process_rss_anon_peak_bytes", "Sampled high-water mark of the process tree's anonymous RSS"),
+    _gauge(
+        "spark_edge_process_rss_file_bytes",
+        "File-backed RSS summed over the server's process tree (mapped weights, libraries: reclaimable)",
+    ),
     # the whole tree's CPU time: rate() of it is the cores the server uses, idle or busy
     _counter("spark_edge_process_cpu_seconds_total", "User and system CPU seconds of the server's process tree"),
     _gauge(
@@ -149,6 +153,7 @@ class SparkEdgeCollector:
         return {
             "spark_edge_process_rss_anon_bytes": [((), sampler.sample())],
             "spark_edge_process_rss_anon_peak_bytes": [((), sampler.peak)],
+            "spark_edge_process_rss_file_bytes": [((), tree_rss_file_bytes(sampler.pids))],
             "spark_edge_process_cpu_seconds_total": [((), tree_cpu_seconds(sampler.pids))],
             "spark_edge_load_rss_anon_peak_bytes": [((), f.load_peak_bytes)],
             "spark_edge_memory_limit_bytes": [((), f.memory_limit_bytes)],

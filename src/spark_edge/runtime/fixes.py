@@ -254,7 +254,7 @@ def _patch_compile_cache_accounting(decorators: ModuleType) -> None:
 
 def release_memory_after(method: Callable[..., Any], what: str) -> Callable[..., Any]:
     """Wrap a method so the process returns freed heap memory to the OS after it returns."""
-    if _is_ours(method):
+    if getattr(method, _MARK, None) == "release_memory":
         return method
 
     @functools.wraps(method)
@@ -275,6 +275,9 @@ def _wrap_method(cls: type, name: str, what: str) -> None:
 
 
 def _patch_cpu_worker_memory_release(cpu_worker: ModuleType) -> None:
+    load = getattr(cpu_worker.CPUWorker, "load_model", None)
+    if load is not None and not _is_ours(load):
+        cpu_worker.CPUWorker.load_model = map_weights_after(load)  # fix 9, below: before the release
     _wrap_method(cpu_worker.CPUWorker, "load_model", "model load")
     _wrap_method(cpu_worker.CPUModelRunner, "warming_up_model", "compile and warm-up")
 
@@ -483,3 +486,28 @@ def _source(fn: Any) -> str:
     except (OSError, TypeError):
         return ""
 
+
+# --- 9. Weights copied into anonymous memory ---------------------------------------------------------
+#
+# vLLM behaviour: the CPU worker loads every weight into anonymous memory (and the 4-bit paths repack
+# them there), so two servers of one model on a node hold the weights twice, and under memory pressure
+# the kernel can only kill, not reclaim.
+#
+# The correction: after `CPUWorker.load_model` has loaded and processed the weights (before compiling),
+# runtime/mapped_weights.py writes the large parameters once into a file beside the compile cache and
+# replaces them with views of that file's mapping; the copies are freed by fix 3's release right after.
+#
+# Turns itself off: outside spark-edge serve / warm (no stamped compile cache root), and wherever the file
+# cannot be written or read (a warning says so; the weights stay as vLLM loaded them).
+
+
+def map_weights_after(load_model: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load_model)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load_model(self, *args, **kwargs)
+        from spark_edge.runtime.mapped_weights import map_model_weights
+
+        map_model_weights(self.model_runner.get_model(), Path(self.vllm_config.model_config.model))
+        return result
+
+    return _mark(wrapper, "mapped_weights")
