@@ -546,7 +546,9 @@ def test_cpu_worker_load_and_warm_up_are_wrapped_when_vllm_imports_them() -> Non
         load_model = cpu_worker.CPUWorker.load_model
         warm_up = cpu_worker.CPUModelRunner.warming_up_model
         assert getattr(load_model, fixes._MARK) == "release_memory"
-        assert load_model.__wrapped__ is Worker.load_model
+        # fix 9 maps the weights first (runtime/mapped_weights.py), then fix 3 releases the copies
+        assert getattr(load_model.__wrapped__, fixes._MARK) == "mapped_weights"
+        assert load_model.__wrapped__.__wrapped__ is Worker.load_model
         assert getattr(warm_up, fixes._MARK) == "release_memory"
         assert warm_up.__wrapped__.__qualname__ == "CPUModelRunner.warming_up_model"
         fixes._patch_cpu_worker_memory_release(cpu_worker)

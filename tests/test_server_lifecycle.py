@@ -166,6 +166,9 @@ class Limited:
             str(self.key_file),
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
+            # bf16 KV, as the bands were planned: under this limit `auto` would take fp8 and serve it all
+            "--kv-cache-dtype",
+            "bf16",
         ]
         server = Server(args, self.home, self.logs / f"{name}.log", wrap=self.cgroup.enter)
         server.api_key, server.headers = KEY, {"Authorization": f"Bearer {KEY}"}
@@ -254,6 +257,8 @@ def test_a_limit_below_the_plan_refuses_before_loading_with_exit_5(
             "bf16",
             "--max-model-len",
             str(REQUESTED_CONTEXT),
+            "--kv-cache-dtype",
+            "bf16",  # as the bands were planned
             "--port",
             "1",
         ]
