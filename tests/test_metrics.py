@@ -234,3 +234,28 @@ def test_the_rss_gauge_is_sampled_at_scrape_time_between_slow_samples() -> None:
     assert now - first >= 48 << 20 and sampler.current == now and sampler.peak >= now
     del block
     sampler.stop()
+
+
+def test_a_child_that_has_not_exec_ed_yet_is_not_counted_twice() -> None:
+    """Between fork and exec a child shows its parent's anonymous pages; the tree's sum counts them once (a
+    single-layout server spawning compilers otherwise showed a peak above its own cgroup limit)."""
+    import os
+    import time
+
+    from spark_edge.metrics.process_tree import rss_anon_bytes, tree_rss_anon_bytes
+
+    ballast = bytearray(64 << 20)  # noqa: F841 (resident: the parent's pages the child shares)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    child = os.fork()
+    if child == 0:  # the child never execs: it sleeps with the parent's pages, then leaves
+        time.sleep(5)
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        parent = rss_anon_bytes(os.getpid())
+        assert rss_anon_bytes(child) >= 64 << 20  # what a plain sum would have counted again
+        assert tree_rss_anon_bytes([os.getpid(), child]) <= parent + (8 << 20)
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

@@ -60,7 +60,24 @@ def rss_anon_bytes(pid: int, field: str = "RssAnon") -> int:
 
 
 def tree_rss_anon_bytes(pids: list[int]) -> int:
-    return sum(rss_anon_bytes(pid) for pid in pids)
+    """Summed over the tree, a process that has just forked counted once: its child, before it execs (Python's
+    subprocess vforks, sharing the parent's memory outright), shows the parent's RssAnon under the parent's
+    executable (`pids` lists parents first). Seen as a 2012 MiB peak, over its 1958 MiB cgroup limit, while a
+    single-layout server of ~1 GiB spawned Inductor's compilers. Within 1% of a counted process of the same
+    executable: the two reads are a moment apart while the parent's other threads allocate."""
+    counted: list[tuple[str, int]] = []
+    total = 0
+    for pid in pids:
+        rss = rss_anon_bytes(pid)
+        try:
+            exe = os.readlink(_PROC / str(pid) / "exe")
+        except OSError:
+            exe = ""
+        if rss and any(e == exe and abs(r - rss) <= r // 100 for e, r in counted):
+            continue
+        counted.append((exe, rss))
+        total += rss
+    return total
 
 
 def tree_rss_file_bytes(pids: list[int]) -> int:
