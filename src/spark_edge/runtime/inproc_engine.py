@@ -40,12 +40,11 @@ from vllm.v1.engine.core_client import AsyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.request import RequestStatus
 
+from spark_edge.serving.launch import START_FAILED  # serve maps it to exit 7
 from spark_edge.serving.process_layout import DEFAULT_STUCK_STEP_S, STUCK_STEP_ENV
 
 _LOG = logging.getLogger("vllm.spark_edge.inproc_engine")
 
-# vLLM's words when an engine ends before it is ready (serving/launch.py maps them to exit 7)
-START_FAILED = "Engine core initialization failed"
 # After a drain's timeout: every request still in the engine is aborted, then this long to stop.
 ABORT_GRACE_S = 10.0
 WATCH_INTERVAL_S = 1.0

@@ -20,8 +20,9 @@ from typing import Any
 from spark_edge.errors import EngineDied
 from spark_edge.probe.memory import oom_kills
 
-# vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py)
-_START_FAILED = "Engine core initialization failed"
+# vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py); the single
+# layout's in-process engine says the same (runtime/inproc_engine.py)
+START_FAILED = "Engine core initialization failed"
 
 
 def engine_death(engine_client: Any) -> str | None:
@@ -52,7 +53,7 @@ def start_death(exc: RuntimeError, oom_kills_before: int, memory: str) -> str | 
 
     vLLM names each dead process's exit code when it has it (`{'EngineCore': -9}`) and an empty dict when
     its sentinel fired first; the memory cgroup's OOM-kill counter then tells an OOM kill apart."""
-    if not str(exc).startswith(_START_FAILED):
+    if not str(exc).startswith(START_FAILED):
         return None
     if in_process := re.search(r"\(in this process: (.*)\)\.", str(exc)):  # the single layout's engine thread
         return f"the engine failed while starting: {in_process.group(1)} (vLLM's log above says why)"
