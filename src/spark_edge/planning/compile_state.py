@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from spark_edge.paths import spark_edge_home
+from spark_edge.planning.memory_plan import MiB
 
-MiB = 1 << 20
 # The C++ compiler beside the engine on a cold start: cc1plus building the precompiled header (431 MiB
 # measured, above), with room for the g++ driver and as (a few MiB each).
 COMPILER_TRANSIENT_BYTES = 448 * MiB

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spark_edge import exit_codes
+from spark_edge.errors import SettingRefused, SparkEdgeError, UnsupportedHostError
 from spark_edge.probe.isa import amx_w4a8_ready, has_avx512
 
 if TYPE_CHECKING:
@@ -25,15 +25,15 @@ VLLM_KV_DTYPE = {"bf16": "auto", "fp8": "fp8"}
 FP8_HEAD_MULTIPLE = 32
 
 
-def fp8_problem(device: DeviceProfile, shape: ModelShape) -> tuple[int, str] | None:
-    """(exit code, why) if an fp8 KV cache cannot run for this model on this host; None if it can."""
+def fp8_problem(device: DeviceProfile, shape: ModelShape) -> SparkEdgeError | None:
+    """The refusal (exit 4 for the host, 2 for the model) if an fp8 KV cache cannot run here; None if it can."""
     if not (has_avx512(device) or amx_w4a8_ready(device)):
-        return exit_codes.UNSUPPORTED_HOST, (
+        return UnsupportedHostError(
             "an fp8 KV cache needs x86-64 with AVX-512 or AMX (vLLM's CPU attention), and this host has "
             "neither: use --kv-cache-dtype bf16"
         )
     if shape.head_dim % FP8_HEAD_MULTIPLE:
-        return exit_codes.USAGE, (
+        return SettingRefused(
             f"an fp8 KV cache needs a head size that is a multiple of {FP8_HEAD_MULTIPLE} (vLLM's CPU attention), "
             f"and this model's is {shape.head_dim}: use --kv-cache-dtype bf16"
         )

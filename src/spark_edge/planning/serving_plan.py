@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from spark_edge import exit_codes, registry
+from spark_edge import registry
 from spark_edge.checkpoints.sources import model_id
-from spark_edge.errors import PlanRefused, SettingRefused, UnsupportedHostError
+from spark_edge.errors import PlanRefused
 from spark_edge.paths import checkpoint_dir
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling, serving_ceiling
@@ -74,8 +74,7 @@ def serving_plan(
 
     fp8 = fp8_problem(device, shape)
     if kv_dtype == "fp8" and fp8 is not None:
-        code, why = fp8
-        raise (UnsupportedHostError if code == exit_codes.UNSUPPORTED_HOST else SettingRefused)(why)
+        raise fp8
     try:
         if kv_dtype != "auto":
             return plan_for(kv_dtype)
