@@ -41,6 +41,7 @@ def _facts(run_dir: Path | None) -> ServerFacts:
         max_model_len=1024,
         requested_max_model_len=4096,
         plan_steady_bytes=1900 << 20,
+        plan_file_backed_bytes=270 << 20,
         plan_load_peak_bytes=1950 << 20,
         plan_peak_bytes=2200 << 20,
     )
@@ -109,6 +110,7 @@ def test_collector_exposes_every_series_with_prometheus_names(tmp_path: Path, sa
     assert samples[("spark_edge_max_model_len_tokens", ())] == 1024  # the plan reduced what was asked
     assert samples[("spark_edge_requested_max_model_len_tokens", ())] == 4096
     assert samples[("spark_edge_plan_steady_bytes", ())] == 1900 << 20
+    assert samples[("spark_edge_plan_file_backed_bytes", ())] == 270 << 20
     assert samples[("spark_edge_plan_load_peak_bytes", ())] == 1950 << 20
     assert samples[("spark_edge_plan_peak_bytes", ())] == 2200 << 20
     assert (

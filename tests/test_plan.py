@@ -87,6 +87,16 @@ def test_ample_memory_gets_what_was_asked() -> None:
     assert plan.load_peak_bytes > plan.steady_bytes > plan.weights_bytes
 
 
+def test_the_plan_marks_its_weights_file_backed() -> None:
+    """Mapped once loaded (runtime/mapped_weights.py): the steady figure splits into anonymous memory and
+    the weights' file-backed pages, which stay in every sum because the cgroup charges them."""
+    plan = make_plan(SMOLLM2, "w4a16", 16 << 30, 2048, max_num_seqs=4)
+    d = plan.as_dict()
+    assert d["file_backed_bytes"] == plan.weights_bytes > 0
+    assert d["steady_anon_bytes"] + d["file_backed_bytes"] == d["steady_bytes"]
+    assert f"weights {plan.weights_bytes / MiB:.0f} MiB file-backed" in plan.summary()
+
+
 def _ceiling_for(peak_bytes: int) -> int:
     """The ceiling whose budget (ceiling minus 10% headroom) just holds this peak."""
     return int((peak_bytes + 20 * MiB) / 0.9)

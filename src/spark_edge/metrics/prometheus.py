@@ -62,6 +62,7 @@ class ServerFacts:
     max_model_len: int = 0
     requested_max_model_len: int = 0
     plan_steady_bytes: int = 0
+    plan_file_backed_bytes: int = 0
     plan_load_peak_bytes: int = 0
     plan_peak_bytes: int = 0
 
@@ -104,15 +105,22 @@ SERIES = (
         "spark_edge_load_rss_anon_peak_bytes", "Peak anonymous RSS of the process tree during model load and warm-up"
     ),
     _gauge("spark_edge_memory_limit_bytes", "The memory ceiling the plan used"),
-    _gauge("spark_edge_plan_steady_bytes", "Anonymous RSS the memory plan predicts for the process tree once loaded"),
+    _gauge(
+        "spark_edge_plan_steady_bytes",
+        "RSS the memory plan predicts for the process tree once loaded: anonymous plus the mapped weights",
+    ),
+    _gauge(
+        "spark_edge_plan_file_backed_bytes",
+        "The memory plan's weights, file-backed once loaded (mapped): part of its steady and peak figures",
+    ),
     _gauge(
         "spark_edge_plan_load_peak_bytes",
-        "Anonymous RSS the memory plan predicts for the process tree at its load peak",
+        "RSS the memory plan predicts for the process tree at its load peak (the weights are anonymous copies then)",
     ),
     _gauge(
         "spark_edge_plan_peak_bytes",
-        "The highest anonymous RSS the memory plan allows the process tree: its load peak or a "
-        "prompt_logprobs step, whichever is higher",
+        "The highest RSS the memory plan allows the process tree: its load peak or a prompt_logprobs step, "
+        "whichever is higher",
     ),
     _gauge(
         "spark_edge_max_model_len_tokens",
@@ -158,6 +166,7 @@ class SparkEdgeCollector:
             "spark_edge_load_rss_anon_peak_bytes": [((), f.load_peak_bytes)],
             "spark_edge_memory_limit_bytes": [((), f.memory_limit_bytes)],
             "spark_edge_plan_steady_bytes": [((), f.plan_steady_bytes)],
+            "spark_edge_plan_file_backed_bytes": [((), f.plan_file_backed_bytes)],
             "spark_edge_plan_load_peak_bytes": [((), f.plan_load_peak_bytes)],
             "spark_edge_plan_peak_bytes": [((), f.plan_peak_bytes)],
             "spark_edge_max_model_len_tokens": [((), f.max_model_len)],

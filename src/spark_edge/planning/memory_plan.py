@@ -1,12 +1,14 @@
-"""The memory plan: predicted anonymous RSS of the whole server, and a context that fits.
+"""The memory plan: predicted RSS of the whole server, and a context that fits.
 
     steady       = runtime baseline + weights + KV cache + activations
     load peak    = steady + load transient (+ the C++ compiler, on a start that compiles)
     serving peak = steady + logits transient (a prompt_logprobs step)
     peak         = max(load peak, serving peak), which must fit the budget
 
-Every term is anonymous RSS summed over vLLM's processes (API server, engine core and,
-in vLLM's own layout, a worker), the figure a cgroup limit counts.  The constants below are calibrated by
+Every term is RSS summed over vLLM's processes (API server, engine core and, in vLLM's own layout, a
+worker), the figure a cgroup limit counts. All of it is anonymous except the weights once loaded: those
+are mapped from their file (file-backed RSS, `file_backed_bytes`), which the cgroup charges all the same
+(and must keep resident, or every decode step reads them back from disk), so they stay in every sum.  The constants below are calibrated by
 measurement; docs/memory-plan.md says how, and `spark-edge bench` re-measures them.
 
 The plan picks the prefill chunk, the KV cache and the context under `ceiling - headroom`:
@@ -113,6 +115,16 @@ class MemoryPlan:
         return self.baseline_bytes + self.weights_bytes + self.kv_bytes + self.activation_bytes
 
     @property
+    def file_backed_bytes(self) -> int:
+        """The weights once loaded: mapped from their file (runtime/mapped_weights.py), so the kernel
+        counts them as file-backed RSS; the cgroup still charges their pages, so they stay in the sums."""
+        return self.weights_bytes
+
+    @property
+    def steady_anon_bytes(self) -> int:
+        return self.steady_bytes - self.file_backed_bytes
+
+    @property
     def load_peak_bytes(self) -> int:
         return self.steady_bytes + self.load_transient_bytes + self.compile_transient_bytes
 
@@ -144,6 +156,8 @@ class MemoryPlan:
         d = asdict(self)
         d.update(
             steady_bytes=self.steady_bytes,
+            steady_anon_bytes=self.steady_anon_bytes,
+            file_backed_bytes=self.file_backed_bytes,
             load_peak_bytes=self.load_peak_bytes,
             serving_peak_bytes=self.serving_peak_bytes,
             peak_bytes=self.peak_bytes,
@@ -168,7 +182,7 @@ class MemoryPlan:
             ctx += f" (reduced from {PREFILL_CHUNK_TOKENS} to fit)"
         return (
             f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
-            f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} + KV "
+            f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} file-backed + KV "
             f"{mib(self.kv_bytes)} ({self.kv_cache_dtype}) for {self.kv_tokens} tokens + activations "
             f"{mib(self.activation_bytes)}; "
             f"load transient {mib(self.load_transient_bytes)}" + compiling + f", prompt-logprobs transient "

@@ -271,6 +271,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         max_model_len=p.plan.max_model_len,
         requested_max_model_len=p.plan.requested_max_model_len,
         plan_steady_bytes=p.plan.steady_bytes,
+        plan_file_backed_bytes=p.plan.file_backed_bytes,
         plan_load_peak_bytes=p.plan.load_peak_bytes,
         plan_peak_bytes=p.plan.peak_bytes,
     )
