@@ -65,10 +65,39 @@ def test_large_parameters_are_mapped_with_the_same_values(
     assert _rss("RssFile") - file_before >= again.packed.nbytes // 2
 
 
-def test_a_rebuilt_checkpoint_gets_a_file_of_its_own(checkpoint: Path) -> None:
+def test_a_rebuilt_checkpoint_gets_a_file_of_its_own_and_the_old_one_goes(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "vllm-cache" / "w4a16"
+    root.mkdir(parents=True)
+    (root / STAMP_FILE).write_text(json.dumps({"weight_path": "w4a16"}))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert map_model_weights(_Model(), other) > 0  # another checkpoint's file stays
     key = checkpoint_key(checkpoint)
+    assert map_model_weights(_Model(), checkpoint) > 0
     (checkpoint / "model.safetensors").write_bytes(b"y" * 101)
     assert checkpoint_key(checkpoint) != key
+    assert map_model_weights(_Model(), checkpoint) > 0
+    names = {p.name for p in (root / MAPPED_DIR).iterdir()}
+    assert names == {f"{checkpoint_key(checkpoint)}.safetensors", f"{checkpoint_key(other)}.safetensors"}
+
+
+def test_a_file_cut_short_is_written_again(checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "vllm-cache" / "w4a16"
+    root.mkdir(parents=True)
+    (root / STAMP_FILE).write_text(json.dumps({"weight_path": "w4a16"}))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    mapped = map_model_weights(_Model(), checkpoint)
+    (path,) = (root / MAPPED_DIR).iterdir()
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    model = _Model()
+    packed = model.packed.detach().clone()
+    assert map_model_weights(model, checkpoint) == mapped
+    assert torch.equal(model.packed, packed)
+    assert path.stat().st_size > mapped
 
 
 def test_outside_serve_nothing_is_mapped(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

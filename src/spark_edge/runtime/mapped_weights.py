@@ -10,8 +10,10 @@ process that maps the same file, and reclaimable by the kernel under pressure in
 The file lives in the compile cache root (`$VLLM_CACHE_ROOT/mapped-weights/`), whose stamp names the ISA
 features, torch, vLLM and weight path it was made for (runtime/compile_cache.py): a root stamped for
 anything else is emptied before vLLM starts, so a layout made for another host is never mapped. Its name
-is a hash of the checkpoint folder and of its files' sizes and modification times: a rebuilt checkpoint
-gets a file of its own. Written to a temporary name and renamed, so a start that dies while writing leaves
+is a hash of the checkpoint folder, then of its files' sizes and modification times: a rebuilt checkpoint
+gets a file of its own, and the earlier one of the same folder is removed. safetensors refuses a file cut
+short (its header gives every tensor's extent); its bytes are not hashed at each start, which would read
+the whole file before serving. Written to a temporary name and renamed, so a start that dies while writing leaves
 nothing to map. Only under `spark-edge serve` / `warm` (the cache root carries its stamp); other vLLM
 processes (the bench's offline engine, the tests') are left as they are.
 
@@ -65,11 +67,24 @@ def baked_mapped_file(root: Path, name: str) -> Path | None:
     return candidate if same and candidate.is_file() else None
 
 
+def _folder_key(checkpoint: Path) -> str:
+    return hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:12]
+
+
 def checkpoint_key(checkpoint: Path) -> str:
-    """The checkpoint folder and its files' sizes and modification times (a rebuild changes them)."""
+    """The checkpoint folder, then its files' sizes and modification times (a rebuild changes them)."""
     files = sorted(p for p in checkpoint.iterdir() if p.suffix in (".safetensors", ".json"))
     ident = [str(checkpoint.resolve()), *[(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
-    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
+    return f"{_folder_key(checkpoint)}-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]}"
+
+
+def _remove_superseded(path: Path, checkpoint: Path) -> None:
+    """Earlier files of the same checkpoint folder (it was rebuilt since): never mapped again. A server still
+    running on one keeps its mapping (the kernel frees the pages when it unmaps)."""
+    for old in path.parent.glob(f"{_folder_key(checkpoint)}-*.safetensors"):
+        if old != path:
+            old.unlink(missing_ok=True)
+            _LOG.info("spark-edge: removed the mapped weights of an earlier build: %s", old)
 
 
 def _large_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -106,21 +121,37 @@ def map_model_weights(model: torch.nn.Module, checkpoint: Path) -> int:
     path = root / f"{checkpoint_key(checkpoint)}.safetensors"
     if (baked := baked_mapped_file(root, path.name)) is not None:
         path = baked
+    from safetensors import SafetensorError
+
     try:
         if not path.is_file():
-            root.mkdir(parents=True, exist_ok=True)
-            _write(path, params)
-            _LOG.info("spark-edge: wrote the loaded weights for mapping: %s", path)
-        return _map(path, params)
-    except (OSError, ValueError, RuntimeError) as exc:
+            _write_for(path, params, checkpoint)
+        try:
+            return _map(path, params)
+        except (SafetensorError, ValueError) as exc:
+            if path.parent != root:
+                raise  # an image's file is read-only: serve from the copies
+            _LOG.warning("spark-edge: the mapped weights were unreadable (%s), written again: %s", exc, path)
+            _write_for(path, params, checkpoint)
+            return _map(path, params)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         _LOG.warning("spark-edge: the weights stay in anonymous memory (%s: %s)", path, exc)
         return 0
 
 
+def _write_for(path: Path, params: list[tuple[str, torch.nn.Parameter]], checkpoint: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, params)
+    _remove_superseded(path, checkpoint)
+    _LOG.info("spark-edge: wrote the loaded weights for mapping: %s", path)
+
+
 def _map(path: Path, params: list[tuple[str, torch.nn.Parameter]]) -> int:
+    """Every view checked before any parameter is replaced: a file that does not hold this model leaves it
+    as it was."""
     from safetensors import safe_open
 
-    mapped = 0
+    views = []
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
         for name, param in params:
@@ -129,7 +160,9 @@ def _map(path: Path, params: list[tuple[str, torch.nn.Parameter]]) -> int:
             tensor = f.get_tensor(name)  # over the file's mapping (safetensors >= 0.4, copy-on-write)
             if tensor.dtype != param.data.dtype or tensor.shape != param.data.shape:
                 raise ValueError(f"{name}: the mapped file holds {tuple(tensor.shape)} {tensor.dtype}")
-            param.data = tensor
-            mapped += tensor.nbytes
+            views.append((param, tensor))
+    for param, tensor in views:
+        param.data = tensor
+    mapped = sum(tensor.nbytes for _, tensor in views)
     _LOG.info("spark-edge: %d MiB of weights mapped from %s", mapped >> 20, path)
     return mapped
