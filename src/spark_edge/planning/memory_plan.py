@@ -8,8 +8,9 @@
 Every term is RSS summed over vLLM's processes (API server, engine core and, in vLLM's own layout, a
 worker), the figure a cgroup limit counts. All of it is anonymous except the weights once loaded: those
 are mapped from their file (file-backed RSS, `file_backed_bytes`), which the cgroup charges all the same
-(and must keep resident, or every decode step reads them back from disk), so they stay in every sum.  The constants below are calibrated by
-measurement; docs/memory-plan.md says how, and `spark-edge bench` re-measures them.
+(and must keep resident, or every decode step reads them back from disk), so they stay in every sum.
+The constants below are calibrated by measurement; docs/memory-plan.md says how, and `spark-edge bench`
+re-measures them.
 
 The plan picks the prefill chunk, the KV cache and the context under `ceiling - headroom`:
 first it halves the prefill chunk (vLLM's max_num_batched_tokens) down to MIN_PREFILL_CHUNK,
