@@ -739,3 +739,55 @@ def test_compile_cache_warm_start_and_corrupt_artifact_rebuild(bf16_checkpoint: 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--engine-child"]:
     _engine_child(sys.argv[2])
+
+
+# --- 10. a text model's tokenizer is not loaded a second time to find its chat template ---
+
+
+def _folder(tmp_path: Path, config: dict, **files: str) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    for name, text in files.items():
+        (folder / name.replace("__", ".")).write_text(text)
+    return folder
+
+
+def test_a_text_model_folder_has_no_processor(tmp_path: Path) -> None:
+    assert fixes.has_no_processor(_folder(tmp_path, {"model_type": "llama"}, tokenizer_config__json="{}"))
+
+
+@pytest.mark.parametrize(
+    ("config", "files"),
+    [
+        ({"model_type": "llama"}, {"preprocessor_config__json": "{}"}),  # an image processor
+        ({"model_type": "llama"}, {"processor_config__json": "{}"}),
+        ({"model_type": "llama"}, {"tokenizer_config__json": '{"processor_class": "LlavaProcessor"}'}),
+        ({"model_type": "llama", "processor_class": "X"}, {}),
+        ({"model_type": "llava"}, {}),  # transformers maps the model type to a processor
+    ],
+)
+def test_anything_autoprocessor_could_build_from_keeps_vllms_lookup(
+    tmp_path: Path, config: dict, files: dict[str, str]
+) -> None:
+    folder = _folder(tmp_path, config, **files)
+    assert not fixes.has_no_processor(folder)
+    calls = []
+    lookup = fixes.skip_absent_processor(lambda tokenizer, **kw: calls.append(tokenizer) or "template")
+    assert lookup(SimpleNamespace(name_or_path=str(folder)), revision=None) == "template"
+    assert calls
+
+
+def test_the_lookup_answers_none_for_a_text_model_without_loading_anything(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"model_type": "qwen2"})
+    lookup = fixes.skip_absent_processor(lambda tokenizer, **kw: pytest.fail("loaded a processor"))
+    assert lookup(SimpleNamespace(name_or_path=str(folder)), revision=None) is None
+    # a hub name (no local folder) runs vLLM's lookup
+    assert fixes.skip_absent_processor(lambda tokenizer, **kw: "t")(SimpleNamespace(name_or_path="org/m")) == "t"
+
+
+def test_vllms_renderer_gets_the_lookup_when_imported() -> None:
+    from vllm.renderers import hf
+
+    fixes.apply_runtime_fixes()
+    assert fixes._is_ours(hf._try_get_processor_chat_template)

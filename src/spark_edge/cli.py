@@ -112,6 +112,9 @@ def build_params(weight_path: str, group_size: int | None, search: bool | None, 
 
 
 def _run_server(serve_mode: bool, vllm_args: tuple[str, ...], **kwargs) -> None:
+    from spark_edge.serving.fast_start import hold_off_full_collections
+
+    hold_off_full_collections()  # before torch and vLLM are imported: until the engine is ready
     from spark_edge.serving.passthrough import vllm_args_from
     from spark_edge.serving.serve import ServeRequest, run
 

@@ -53,6 +53,7 @@ def apply_runtime_fixes() -> None:
     when_imported("torch.distributed.distributed_c10d", _patch_single_rank_gloo)
     when_imported("uvicorn.server", _patch_uvicorn_tick)
     when_imported("vllm.v1.engine.core_client", _patch_inproc_async_client)
+    when_imported("vllm.renderers.hf", _patch_processor_chat_template)
 
 
 def _is_ours(fn: Any) -> bool:
@@ -511,3 +512,59 @@ def map_weights_after(load_model: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return _mark(wrapper, "mapped_weights")
+
+
+# --- 10. A text model's tokenizer loaded twice to find its chat template -------------------------------
+#
+# vLLM behaviour: to find a chat template, the renderer first asks transformers' AutoProcessor
+# (`vllm.renderers.hf._try_get_processor_chat_template`). For a text-only model AutoProcessor finds no
+# processor and falls back to loading the tokenizer a second time, to find no processor chat template:
+# 0.51 s of every start (default model, AMD EPYC Zen 4), about 5% of a warm restart.
+#
+# The correction: where the model is a local folder that holds nothing AutoProcessor builds a processor
+# from (no processor or preprocessor config, no `processor_class` in its configs, a model type transformers
+# maps to no processor), the lookup answers None at once: what it would have found.
+#
+# Turns itself off: when vLLM has no `_try_get_processor_chat_template`; for a remote or multimodal model
+# the lookup runs as vLLM wrote it.
+
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def has_no_processor(folder: Path) -> bool:
+    """True only where AutoProcessor certainly builds no processor from this folder."""
+    import json
+
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    if not (folder / "config.json").is_file() or any((folder / name).exists() for name in _PROCESSOR_FILES):
+        return False
+    try:
+        configs = [
+            json.loads((folder / name).read_text())
+            for name in ("config.json", "tokenizer_config.json")
+            if (folder / name).is_file()
+        ]
+    except (OSError, ValueError):
+        return False
+    if any("processor_class" in config for config in configs):
+        return False
+    return configs[0].get("model_type") not in PROCESSOR_MAPPING_NAMES
+
+
+def skip_absent_processor(lookup: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(lookup)
+    def wrapper(tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = Path(str(getattr(tokenizer, "name_or_path", "")))
+        if folder.is_dir() and has_no_processor(folder):
+            return None
+        return lookup(tokenizer, *args, **kwargs)
+
+    return _mark(wrapper, "processor_chat_template")
+
+
+def _patch_processor_chat_template(hf: ModuleType) -> None:
+    lookup = getattr(hf, "_try_get_processor_chat_template", None)
+    if lookup is None or _is_ours(lookup):
+        return
+    hf._try_get_processor_chat_template = skip_absent_processor(lookup)

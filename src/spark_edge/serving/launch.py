@@ -19,6 +19,7 @@ from typing import Any
 
 from spark_edge.errors import EngineDied
 from spark_edge.probe.memory import oom_kills
+from spark_edge.serving.fast_start import freeze_imported
 
 # vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py); the single
 # layout's in-process engine says the same (runtime/inproc_engine.py)
@@ -101,6 +102,7 @@ async def _serve(args, on_engine_ready: Callable[[], None], serve: bool) -> None
     from vllm.utils.system_utils import decorate_logs
 
     decorate_logs("APIServer", skip_if_decorated=True)
+    freeze_imported()  # vLLM's server is imported: its engine's full collections need not scan it
 
     # As vLLM does: a SIGTERM before uvicorn installs its handlers interrupts the start.
     def _interrupt_init(*_) -> None:

@@ -38,6 +38,7 @@ from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
 from spark_edge.serving import draining, passthrough, request_limits
 from spark_edge.serving.checkpoint import check_published_tensors, checkpoint_for_serving, published_format
+from spark_edge.serving.fast_start import prefetch_compiler_keys, resume_full_collections
 from spark_edge.serving.process_layout import (
     DEFAULT_LAYOUT,
     DEFAULT_STUCK_STEP_S,
@@ -257,6 +258,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     cache = prepare_cache_root(p.cache_root, stamp)
     import vllm  # only now: some of vLLM's settings are read from the environment at import
 
+    prefetch_compiler_keys()  # hashed on the second core while vLLM's server imports
     from spark_edge.metrics.prometheus import ServerFacts, install
     from spark_edge.serving.launch import run_openai_server
 
@@ -304,6 +306,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
 
     def on_engine_ready() -> None:
         now = time.monotonic()
+        resume_full_collections()
         p.phases.seconds["engine"] = now - engine_start
         p.phases.seconds["ready"] = now - p.phases.start
         facts.load_peak_bytes = p.sampler.peak
