@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import threading
 import time
@@ -229,12 +230,14 @@ def test_the_rss_gauge_is_sampled_at_scrape_time_between_slow_samples() -> None:
     sampler = TreeRssSampler(os.getpid(), interval_s=3600, rescan_s=3600).start()
     time.sleep(0.05)  # the first sample (and listing) is taken at start
     first = sampler.current
-    block = bytearray(64 << 20)  # 64 MiB of anonymous memory, touched
+    # 64 MiB of new anonymous pages, touched: mapped privately rather than malloc'd, which may hand back
+    # pages already resident (freed heap of earlier tests in this process, seen as no growth at all)
+    block = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE)
     for i in range(0, len(block), 4096):
         block[i] = 1
     now = sampler.sample()
     assert now - first >= 48 << 20 and sampler.current == now and sampler.peak >= now
-    del block
+    block.close()
     sampler.stop()
 
 
