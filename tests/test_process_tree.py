@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
-from spark_edge.metrics.process_tree import TreeRssSampler, process_tree, rss_anon_bytes, tree_rss_anon_bytes
+from spark_edge.metrics.process_tree import (
+    TreeRssSampler,
+    process_age_seconds,
+    process_tree,
+    rss_anon_bytes,
+    tree_rss_anon_bytes,
+)
 
 MiB = 1 << 20
 
@@ -49,3 +56,15 @@ def test_a_vanished_process_counts_zero() -> None:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     assert rss_anon_bytes(p.pid) == 0
+
+
+def test_a_process_age_counts_from_its_start() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        time.sleep(0.5)
+        assert 0.4 <= process_age_seconds(child.pid) < 3
+        assert process_age_seconds(os.getpid()) > process_age_seconds(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_age_seconds(child.pid) == 0.0  # gone

@@ -16,6 +16,9 @@ from pathlib import Path
 _PROC = Path("/proc")
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def _stat_fields(pid: int | str) -> list[str] | None:
     """Fields 3 onward of /proc/PID/stat (proc(5)), or None if the process has gone. The command name (field 2)
     may hold spaces and parentheses, so the split starts after the last ')'."""
@@ -24,6 +27,15 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     except OSError:
         return None
     return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_age_seconds(pid: int) -> float:
+    """Seconds since the process started (to the kernel's clock tick), or 0.0 if it has gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0
+    uptime = float((_PROC / "uptime").read_text().split()[0])
+    return max(0.0, uptime - int(fields[19]) / _CLOCK_TICKS)  # field 22: start time, ticks after boot
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -84,9 +96,6 @@ def tree_rss_file_bytes(pids: list[int]) -> int:
     """File-backed RSS summed over the tree: mapped weights and libraries (pages shared between processes
     count once per process; the kernel can drop them under pressure)."""
     return sum(rss_anon_bytes(pid, "RssFile") for pid in pids)
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:

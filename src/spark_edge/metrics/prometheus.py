@@ -136,7 +136,12 @@ SERIES = (
         "it was built for another ISA or version (stamp_mismatch, unreadable_stamp, unstamped_content)",
         ("reason",),
     ),
-    _gauge("spark_edge_startup_seconds", "Seconds spent in each startup phase", ("phase",)),
+    _gauge(
+        "spark_edge_startup_seconds",
+        "Seconds spent in each startup phase: imports (process start to serve's clock), probe, checkpoint, "
+        "vllm_imports, engine; ready: serve's clock to the engine ready",
+        ("phase",),
+    ),
     _gauge(
         "spark_edge_build_info", "What this server runs (always 1)", ("isa", "weight_path", "version", "vllm_version")
     ),

@@ -22,6 +22,16 @@ facts, among them a sha256 of Triton's sources and of its 477 MiB `libtriton.so`
 installed, xgrammar requires it, though CPU vLLM never runs it) and one of torch's sources (0.11 s).
 torch computes both once per process and offers to start them early (`prefetch()`, a thread: hashing
 releases the GIL), so they run on the second core while vLLM's server modules import.
+
+**torch's precompiled header.** Before Inductor loads a compiled graph's library it precompiles torch's
+headers (g++, ~490 MiB, ~5 s) into /tmp, unless it finds them there: a host keeps them, a container starts
+without (its /tmp is new), so every warm container start compiled, beyond the plan's load peak. serve turns
+header precompiling off (`TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`, serve.import_time_env): measured
+with /tmp's headers removed before each start, 3 each alternated, 14.9-18.0 s and a load peak of 1047-1060
+MiB with it, 9.5-10.0 s and 718-739 MiB without. It is part of vLLM's compile key, so a cache compiled with
+it is compiled once more: that cold start took 77.5 s to /health (its checkpoint built), where this
+session's first cold start with it had spent 74 s in its engine phase alone (a graph has one or two C++
+files: a header precompiled for them saves nothing).
 """
 
 from __future__ import annotations

@@ -71,6 +71,12 @@ def start_death(exc: RuntimeError, oom_kills_before: int, memory: str) -> str | 
     return "the engine process ended while starting (vLLM's log above says why)"
 
 
+def import_vllm_server() -> None:
+    """vLLM's OpenAI server modules, imported up front: a start's phases then tell imports from the engine."""
+    import vllm.entrypoints.launchers.api_server.entry  # noqa: F401
+    import vllm.entrypoints.launchers.cli_args  # noqa: F401
+
+
 def run_openai_server(
     argv: list[str], on_engine_ready: Callable[[], None], serve: bool = True, memory: str = ""
 ) -> None:

@@ -20,7 +20,13 @@ import click
 from spark_edge import __version__
 from spark_edge.checkpoints.chat_template import missing_template_note
 from spark_edge.errors import UnsupportedHostError
-from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, rss_anon_bytes
+from spark_edge.metrics.process_tree import (
+    SERVING_INTERVAL_S,
+    SERVING_RESCAN_S,
+    TreeRssSampler,
+    process_age_seconds,
+    rss_anon_bytes,
+)
 from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.calibration import record_load_peak
@@ -88,9 +94,14 @@ def resolve_api_key(req: ServeRequest) -> str | None:
 
 
 class _Phases:
+    """Startup phases: `imports` (from the process's start to this clock: the interpreter, spark-edge and
+    torch), probe, checkpoint, `vllm_imports` (vLLM and its OpenAI server's modules), engine (vLLM's engine
+    built: config, tokenizer, weights, compiled graphs, warm-up, KV cache) and `ready` (this clock's start to
+    the engine ready). vLLM's app is built after that, before /health answers."""
+
     def __init__(self) -> None:
         self.start = time.monotonic()
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[str, float] = {"imports": process_age_seconds(os.getpid())}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -131,6 +142,10 @@ def import_time_env(layout: str) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # Inductor precompiles torch's headers before it loads a compiled graph's library, into /tmp, which a
+        # container starts without: every warm container start ran g++ for ~5 s and ~490 MiB, beyond the plan
+        # (serving/fast_start.py). A graph's one or two C++ files compile as fast without it.
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
     }
 
 
@@ -256,11 +271,14 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM 0.32 lets it replace --kv-cache-memory-bytes
     stamp = cache_stamp(sorted(p.device.features), p.weight_path)
     cache = prepare_cache_root(p.cache_root, stamp)
-    import vllm  # only now: some of vLLM's settings are read from the environment at import
+    from spark_edge.serving.launch import import_vllm_server, run_openai_server
 
-    prefetch_compiler_keys()  # hashed on the second core while vLLM's server imports
+    with p.phases.phase("vllm_imports"):
+        import vllm  # only now: some of vLLM's settings are read from the environment at import
+
+        prefetch_compiler_keys()  # hashed on the second core while vLLM's server imports
+        import_vllm_server()
     from spark_edge.metrics.prometheus import ServerFacts, install
-    from spark_edge.serving.launch import run_openai_server
 
     facts = ServerFacts(
         isa=isa_label(p.device),
