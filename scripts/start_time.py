@@ -68,7 +68,7 @@ def one_start(home: Path, serve_args: list[str], log: Path) -> dict[str, float]:
 
 
 def host() -> str:
-    fields = first_processor_fields()
+    fields = first_processor_fields(Path("/proc/cpuinfo").read_text())
     return f"{fields.get('model name', 'unknown CPU')}, {os.cpu_count()} vCPUs"
 
 
