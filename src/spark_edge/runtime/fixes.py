@@ -555,8 +555,8 @@ def has_no_processor(folder: Path) -> bool:
 def skip_absent_processor(lookup: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(lookup)
     def wrapper(tokenizer: Any, *args: Any, **kwargs: Any) -> Any:
-        folder = Path(str(getattr(tokenizer, "name_or_path", "")))
-        if folder.is_dir() and has_no_processor(folder):
+        name = str(getattr(tokenizer, "name_or_path", "") or "")
+        if name and Path(name).is_dir() and has_no_processor(Path(name)):
             return None
         return lookup(tokenizer, *args, **kwargs)
 
