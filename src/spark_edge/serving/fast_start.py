@@ -1,4 +1,5 @@
-"""What a start spends beside loading the model, cut: full garbage collections, and hashing the compilers.
+"""What a start spends beside loading the model, cut: full garbage collections, hashing the compilers, and
+precompiling torch's headers.
 
 Warm restarts of the default model, w4a16, single layout, command to a healthy /health, AMD EPYC Zen 4,
 alternating the code before and after these cuts and runtime fix 10 (runtime/fixes.py) in one run, 5 each:
@@ -7,8 +8,8 @@ alternating the code before and after these cuts and runtime fix 10 (runtime/fix
 **Full garbage collections.** A start imports torch, vLLM and transformers (millions of objects the
 collector tracks) and builds the engine, and CPython runs a full collection, which scans every one of them,
 each time the objects that survived the younger collections grow by a quarter. On a warm restart of the
-default model 16 full collections took 3.2 s of the 14.8 s to a healthy
-/health, while finding next to nothing: what a start allocates is the server's for its whole life.
+default model 16 full collections took 3.2 s of the 14.8 s to a healthy /health, while finding next to
+nothing: what a start allocates is the server's for its whole life.
 
 So the oldest generation's threshold is raised for the start: young collections still run (they free the
 short-lived cycles a start makes), full ones wait. And once the server's modules are imported, what they
@@ -29,9 +30,9 @@ without (its /tmp is new), so every warm container start compiled, beyond the pl
 header precompiling off (`TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0`, serve.import_time_env): measured
 with /tmp's headers removed before each start, 3 each alternated, 14.9-18.0 s and a load peak of 1047-1060
 MiB with it, 9.5-10.0 s and 718-739 MiB without. It is part of vLLM's compile key, so a cache compiled with
-it is compiled once more: that cold start took 77.5 s to /health (its checkpoint built), where this
-session's first cold start with it had spent 74 s in its engine phase alone (a graph has one or two C++
-files: a header precompiled for them saves nothing).
+it is compiled once more. A cold compile is no slower without it (a graph has one or two C++ files, and
+a header precompiled for them saves no parsing): 77.5 s to /health with the checkpoint built, against 74 s
+in the engine phase alone of a cold start with it.
 """
 
 from __future__ import annotations
