@@ -38,13 +38,17 @@ def checkpoint(tmp_path: Path) -> Path:
     return folder
 
 
-def test_large_parameters_are_mapped_with_the_same_values(
-    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stamped compile cache root, as serve makes one: where mapped weights are written."""
     root = tmp_path / "vllm-cache" / "w4a16"
     root.mkdir(parents=True)
     (root / STAMP_FILE).write_text(json.dumps({"weight_path": "w4a16"}))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    return root
+
+
+def test_large_parameters_are_mapped_with_the_same_values(checkpoint: Path, root: Path) -> None:
     model = _Model()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     mapped = map_model_weights(model, checkpoint)
@@ -66,12 +70,8 @@ def test_large_parameters_are_mapped_with_the_same_values(
 
 
 def test_a_rebuilt_checkpoint_gets_a_file_of_its_own_and_the_old_one_goes(
-    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, root: Path, tmp_path: Path
 ) -> None:
-    root = tmp_path / "vllm-cache" / "w4a16"
-    root.mkdir(parents=True)
-    (root / STAMP_FILE).write_text(json.dumps({"weight_path": "w4a16"}))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
@@ -85,11 +85,7 @@ def test_a_rebuilt_checkpoint_gets_a_file_of_its_own_and_the_old_one_goes(
     assert names == {f"{checkpoint_key(checkpoint)}.safetensors", f"{checkpoint_key(other)}.safetensors"}
 
 
-def test_a_file_cut_short_is_written_again(checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    root = tmp_path / "vllm-cache" / "w4a16"
-    root.mkdir(parents=True)
-    (root / STAMP_FILE).write_text(json.dumps({"weight_path": "w4a16"}))
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+def test_a_file_cut_short_is_written_again(checkpoint: Path, root: Path) -> None:
     mapped = map_model_weights(_Model(), checkpoint)
     (path,) = (root / MAPPED_DIR).iterdir()
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
