@@ -252,7 +252,7 @@ _SMALLEST_LIMIT = """
 import json, os
 from pathlib import Path
 from spark_edge.errors import PlanRefused
-from spark_edge.metrics.process_tree import rss_anon_bytes
+from spark_edge.planning.ceiling import OwnMemory, own_share
 from spark_edge.planning.command import model_config
 from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
 from spark_edge.probe.device import probe_device
@@ -274,7 +274,8 @@ lo, hi = 256, 8192
 while hi - lo > 1:
     mid = (lo + hi) // 2
     lo, hi = (lo, mid) if plan(mid) else (mid, hi)
-held = (probe_memory(Path("/")).cgroup_used or 0) - rss_anon_bytes(os.getpid())
+own, memory = OwnMemory.now(), probe_memory(Path("/"))
+held = (memory.cgroup_used or 0) - own_share(memory, own)
 print(json.dumps({"ceiling_mib": hi, "held_mib": -(-max(0, held) // 2**20), **plan(hi).as_dict()}))
 """
 EDGE_SLACK_MIB = 16  # as tests/test_server_lifecycle.py: on each side of the plan's edge

@@ -158,24 +158,38 @@ def _budget(limit: int | None, used: int | None, available: int = 20 << 30) -> M
 
 
 def test_serving_ceiling_gives_back_what_the_serving_process_already_holds() -> None:
-    from spark_edge.planning.ceiling import serving_ceiling
+    from spark_edge.planning.ceiling import OwnMemory, serving_ceiling
 
     # the cgroup holds 150 MiB, 140 MiB of it this process's own (it becomes the API server)
-    ceiling = serving_ceiling(_budget(2048 * MiB, 150 * MiB), own_anon=140 * MiB)
+    ceiling = serving_ceiling(_budget(2048 * MiB, 150 * MiB), own=OwnMemory(140 * MiB, 0))
     assert ceiling.bytes == (2048 - 10) * MiB
     assert "cgroup limit 2048 MiB, 150 MiB of it in use, 140 MiB of that by this process" in ceiling.describe()
     # never more than the cgroup counts as used, whatever the process reports
-    assert serving_ceiling(_budget(2048 * MiB, 100 * MiB), own_anon=900 * MiB).bytes == 2048 * MiB
+    assert serving_ceiling(_budget(2048 * MiB, 100 * MiB), own=OwnMemory(900 * MiB, 0)).bytes == 2048 * MiB
     # and never more than the host has
-    assert serving_ceiling(_budget(8 << 30, 0, available=1 << 30), own_anon=0).bytes == 1 << 30
+    assert serving_ceiling(_budget(8 << 30, 0, available=1 << 30), own=OwnMemory(0, 0)).bytes == 1 << 30
+
+
+def test_serving_ceiling_gives_back_the_pages_of_its_libraries_only_where_the_cgroup_was_charged_for_them() -> None:
+    """The first container on a node is charged for the pages of torch's libraries, the next ones are not (another
+    cgroup read them first): the ceiling, and the smallest limit a plan accepts, must be the same in both."""
+    from spark_edge.planning.ceiling import OwnMemory, serving_ceiling
+
+    own = OwnMemory(anon=144 * MiB, file=75 * MiB)
+    first = MemoryBudget(24 << 30, 20 << 30, 2048 * MiB, 229 * MiB, (2048 - 229) * MiB, cgroup_mapped=75 * MiB)
+    later = MemoryBudget(24 << 30, 20 << 30, 2048 * MiB, 154 * MiB, (2048 - 154) * MiB, cgroup_mapped=0)
+    assert serving_ceiling(first, own=own).bytes == serving_ceiling(later, own=own).bytes == (2048 - 10) * MiB
+    # mapped pages of other processes in the cgroup stay theirs
+    crowded = MemoryBudget(24 << 30, 20 << 30, 2048 * MiB, 429 * MiB, (2048 - 429) * MiB, cgroup_mapped=275 * MiB)
+    assert serving_ceiling(crowded, own=own).bytes == (2048 - 210) * MiB
 
 
 def test_serving_ceiling_on_the_host_and_from_the_command_line() -> None:
-    from spark_edge.planning.ceiling import serving_ceiling
+    from spark_edge.planning.ceiling import OwnMemory, serving_ceiling
 
-    host = serving_ceiling(_budget(None, None, available=10 << 30), own_anon=200 * MiB)
+    host = serving_ceiling(_budget(None, None, available=10 << 30), own=OwnMemory(200 * MiB, 0))
     assert host.bytes == (10 << 30) + 200 * MiB and "host memory available" in host.source
-    explicit = serving_ceiling(_budget(2048 * MiB, 150 * MiB), explicit=3 << 30, own_anon=140 * MiB)
+    explicit = serving_ceiling(_budget(2048 * MiB, 150 * MiB), explicit=3 << 30, own=OwnMemory(140 * MiB, 0))
     assert (explicit.bytes, explicit.source) == (3 << 30, "--memory-limit")
 
 

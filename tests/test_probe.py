@@ -237,6 +237,7 @@ def test_hosts_without_limits_use_affinity_and_host_memory(tmp_path: Path) -> No
     assert (mem.host_total, mem.host_available) == (15974440 * 1024, 15102388 * 1024)
     assert mem.cgroup_limit is None  # memory.max "max"
     assert mem.cgroup_used == 125829120 - (62914560 + 15728640 - 7864320)  # current - unmapped file cache
+    assert mem.cgroup_mapped == 7864320  # the mapped part stays in use, and is reported (planning/ceiling.py)
     assert mem.ceiling == mem.host_available
 
 
@@ -245,6 +246,7 @@ def test_cgroup_v1_host_with_unlimited_memory(tmp_path: Path) -> None:
     assert profile.cpus.cgroup_quota is None  # cfs_quota_us -1
     assert profile.memory.cgroup_limit is None  # 9223372036854771712 is v1's "no limit"
     assert profile.memory.cgroup_used == 283115520 - (145752064 + 61865984 - 31850496)
+    assert profile.memory.cgroup_mapped == 31850496  # v1's total_mapped_file
     assert profile.memory.ceiling == 7050812 * 1024
 
 
@@ -446,6 +448,7 @@ def test_probe_command_json_has_stable_keys(tmp_path: Path) -> None:
         "host_available_bytes",
         "cgroup_limit_bytes",
         "cgroup_used_bytes",
+        "cgroup_mapped_bytes",
         "ceiling_bytes",
     }
     assert out["device"]["cpus"]["cgroup_quota"] == 1.5

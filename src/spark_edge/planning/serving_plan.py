@@ -21,7 +21,7 @@ from spark_edge.checkpoints.sources import model_id
 from spark_edge.errors import PlanRefused
 from spark_edge.paths import checkpoint_dir
 from spark_edge.planning.calibration import calibrated_baseline
-from spark_edge.planning.ceiling import Ceiling, serving_ceiling
+from spark_edge.planning.ceiling import Ceiling, OwnMemory, serving_ceiling
 from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES, compile_cache_root, compile_key, is_compiled
 from spark_edge.planning.kv_dtype import fp8_problem
 from spark_edge.planning.memory_plan import MemoryPlan, make_plan
@@ -121,17 +121,17 @@ def resolve_plan(
     max_model_len: int,
     max_num_seqs: int,
     layout: str,
-    own_anon: int | None = None,
+    own: OwnMemory | None = None,
     kv_dtype: str = "auto",
 ) -> ResolvedPlan:
     """`model`: what was asked for, or the checkpoint built from it; `config`: its config.json. Raises
-    PlanRefused. `own_anon`: this process's anonymous RSS when the probe read the cgroup (default: now)."""
+    PlanRefused. `own`: this process's memory when the probe read the cgroup (default: now)."""
     from spark_edge.serving.checkpoint import built_weight_path  # (serving imports planning)
 
     built = built_weight_path(model)
     path = built or choice.name
     served = Path(model) if built else checkpoint_dir(model_id(model), path)  # the folder serve hands to vLLM
-    ceiling = serving_ceiling(device.memory, memory_limit, own_anon)
+    ceiling = serving_ceiling(device.memory, memory_limit, own)
     root, stamp = compile_cache_root(path), cache_stamp(sorted(device.features), path)
 
     def compiled(plan: MemoryPlan) -> bool:

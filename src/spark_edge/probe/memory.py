@@ -32,12 +32,14 @@ class MemoryBudget:
     cgroup_limit: int | None  # bytes, the tightest cgroup limit; None = no limit
     cgroup_used: int | None  # bytes that limit's cgroup already holds, page cache excluded
     ceiling: int  # bytes spark-edge may still allocate
+    cgroup_mapped: int | None = None  # of cgroup_used, the file pages processes map (libraries, weights)
 
 
 @dataclass(frozen=True)
 class _CgroupLevel:
     limit: int | None
     used: int | None
+    mapped: int = 0
 
 
 def probe_memory(root: Path) -> MemoryBudget:
@@ -51,7 +53,8 @@ def probe_memory(root: Path) -> MemoryBudget:
     ceiling = available
     if binding.limit is not None:
         ceiling = min(available, max(0, binding.limit - (binding.used or 0)))
-    return MemoryBudget(total, available, binding.limit, binding.used, ceiling)
+    mapped = binding.mapped if binding.used is not None else None
+    return MemoryBudget(total, available, binding.limit, binding.used, ceiling, mapped)
 
 
 def host_memory(root: Path) -> tuple[int, int]:
@@ -88,7 +91,7 @@ def _level(where: CgroupDirs, folder: Path) -> _CgroupLevel:
     inactive, active, mapped = (stat.get(key, stat.get(key.removeprefix("total_"), 0)) for key in keys)
     reclaimable = max(0, inactive + active - mapped)  # clean file cache nobody maps
     used = max(0, usage - reclaimable) if usage is not None else None
-    return _CgroupLevel(limit, used)
+    return _CgroupLevel(limit, used, mapped)
 
 
 def _read_int(folder: Path, name: str) -> int | None:

@@ -25,12 +25,11 @@ from spark_edge.metrics.process_tree import (
     SERVING_RESCAN_S,
     TreeRssSampler,
     process_age_seconds,
-    rss_anon_bytes,
 )
 from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.calibration import record_load_peak
-from spark_edge.planning.ceiling import Ceiling
+from spark_edge.planning.ceiling import Ceiling, OwnMemory
 from spark_edge.planning.compile_state import compile_cache_root, record_compiled
 from spark_edge.planning.kv_dtype import VLLM_KV_DTYPE
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
@@ -203,7 +202,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
     sampler = TreeRssSampler(os.getpid()).start()
     with phases.phase("probe"):
         device = probe_device()
-        own_anon = rss_anon_bytes(os.getpid())  # at the moment the cgroup's usage was read
+        own = OwnMemory.now()  # at the moment the cgroup's usage was read
         _refuse_wrong_image(device)
         choice = resolve_weight_path(device, req.priority, req.weight_path)
     with phases.phase("checkpoint"):
@@ -224,7 +223,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         req.max_model_len,
         req.max_num_seqs,
         req.process_layout,
-        own_anon,
+        own,
         req.kv_cache_dtype,
     )
     path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
