@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from spark_edge import environment
+
 # SPARK_EDGE_ENGINE_LOCK= (empty) turns the lock off, e.g. on a machine with nothing else running.
-ENGINE_LOCK = os.environ.get("SPARK_EDGE_ENGINE_LOCK", "/tmp/spark_edge_engine.lock")
+ENGINE_LOCK = environment.ENGINE_LOCK.get()
 
 
 def _ancestors() -> set[int]:

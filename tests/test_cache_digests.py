@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from spark_edge.runtime import cache_digests, compile_cache, fixes
+from spark_edge.environment import RUN_DIR
+from spark_edge.runtime import cache_digests, fixes
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files, discard_if_damaged, seal, seal_used
 from spark_edge.runtime.compile_cache import HIT, MISS, read_events
 
@@ -32,7 +33,7 @@ GUARD_JSON = b'"allow_tf32":false,"autocast_state"'
 @pytest.fixture
 def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     run = tmp_path / "run"
-    monkeypatch.setenv(compile_cache.ENV_RUN_DIR, str(run))
+    monkeypatch.setenv(RUN_DIR.name, str(run))
     return run
 
 

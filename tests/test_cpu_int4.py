@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spark_edge.checkpoints.hf_source import HFSource
+from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.errors import CheckpointError
 from spark_edge.quant import int4_asym as q4
 from spark_edge.quant import tinygemm_layout as tl
@@ -262,7 +263,7 @@ def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: p
     here = ni._build_key(cxx)
     monkeypatch.setattr(ni, "all_cpu_flags", lambda: ["fpu", "sse", "sse2"])  # another CPU
     assert ni._build_key(cxx) != here  # a library built there is never loaded here
-    monkeypatch.setenv(ni.ENV_SWITCH, "0")
+    monkeypatch.setenv(DISABLED_KERNELS.name, "spark_edge_int4")
     ni.load_native_ops.cache_clear()
     try:
         assert not ni.load_native_ops()

@@ -773,10 +773,11 @@ class VllmMetricsStandIn:
 
 @pytest.fixture
 def vllm_metrics_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[VllmMetricsStandIn]:
-    from spark_edge.runtime.compile_cache import ENV_RUN_DIR, MISS, record_event
+    from spark_edge.environment import RUN_DIR
+    from spark_edge.runtime.compile_cache import MISS, record_event
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path / "run"))
+    monkeypatch.setenv(RUN_DIR.name, str(tmp_path / "run"))
     assert record_event(MISS, reason="no_artifact")  # as a cold start records it
     stand_in = VllmMetricsStandIn(tmp_path / "run")
     try:

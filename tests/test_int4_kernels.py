@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.probe.cpu_features import all_cpu_flags
 from spark_edge.quant import cpu_int4_op
 from spark_edge.quant import int4_asym as q4
@@ -148,9 +149,9 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
             assert policy.native_max_rows == cpu_int4_op.AMX_MIN_ROWS - 1
             assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (16, 17, 512)] == ["q8", "amx", "amx"]
             assert cpu_int4_op.kernel_for(512, 128, 272) == "tiles"  # K not a multiple of AMX's 32-step rows
-            monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
+            monkeypatch.setenv(DISABLED_KERNELS.name, "int4_gemm_amx")  # AMX hosts never take the bf16 tiles
             assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"
-            monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
+            monkeypatch.delenv(DISABLED_KERNELS.name)
         elif tiles:  # AVX512-BF16 without AMX (Zen 4, Cooper Lake): the tiles from 8 rows on
             assert policy.native_max_rows == cpu_int4_op.TILES_MIN_ROWS - 1
             assert [cpu_int4_op.kernel_for(m, 80, 256) for m in (4, 7, 8, 512)] == [
@@ -160,18 +161,18 @@ def test_host_policy_and_kernel_choice(ops: object, monkeypatch: pytest.MonkeyPa
                 "tiles",
             ]
             assert [cpu_int4_op.kernel_for(m, 128, 256) for m in (policy.q8_max_rows, 512)] == ["q8", "tiles"]
-            monkeypatch.setenv(cpu_int4_op.TILES_SWITCH, "0")
+            monkeypatch.setenv(DISABLED_KERNELS.name, "int4_gemm_bf16")
             assert cpu_int4_op.kernel_for(512, 128, 256) == "dequant"
-            monkeypatch.delenv(cpu_int4_op.TILES_SWITCH)
+            monkeypatch.delenv(DISABLED_KERNELS.name)
         else:
             assert policy.native_max_rows == (
                 cpu_int4_op.NATIVE_MAX_ROWS_BF16_HOST if cpu_int4_op.host_has_bf16_gemm() else -1
             )
         assert cpu_int4_op.kernel_for(1, 64, 64) == cpu_int4_op.kernel_for(policy.q8_max_rows, 128, 256) == "q8"
         assert cpu_int4_op.kernel_for(1, 80, 64) == "native"  # a 16-channel tail: no int8 kernel for it
-        monkeypatch.setenv(cpu_int4_op.Q8_SWITCH, "0")
+        monkeypatch.setenv(DISABLED_KERNELS.name, "int4_gemm_q8")
         assert cpu_int4_op.host_policy().q8_max_rows == 0 and cpu_int4_op.kernel_for(1, 64, 64) == "native"
-        monkeypatch.delenv(cpu_int4_op.Q8_SWITCH)
+        monkeypatch.delenv(DISABLED_KERNELS.name)
     else:
         assert policy.q8_max_rows == policy.native_max_rows == 0 and cpu_int4_op.kernel_for(1) == "tinygemm"
     bf16_host = cpu_int4_op.KernelPolicy(0, 16, 8)  # a bf16 host without the tiles, int8 kernel off

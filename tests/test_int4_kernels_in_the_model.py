@@ -23,6 +23,7 @@ import torch
 
 from spark_edge.bench.fidelity import text_chunks
 from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.quant import cpu_int4_op
 from spark_edge.quant.tinygemm_layout import detect_layout
 
@@ -86,9 +87,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def policies() -> dict[str, cpu_int4_op.KernelPolicy]:
-    """This host's policy and the previous prefill path's (SPARK_EDGE_INT4_TILES=0: dequantization + oneDNN)."""
+    """This host's policy and the previous prefill path's (the tile GEMMs disabled: dequantization + oneDNN)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpu_int4_op.TILES_SWITCH, "0")
+        mp.setenv(DISABLED_KERNELS.name, "int4_gemm_bf16,int4_gemm_amx")
         previous = cpu_int4_op.host_policy()
     host = cpu_int4_op.host_policy()
     assert previous.tiles == 0 and host.tiles != 0

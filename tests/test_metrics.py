@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from spark_edge.environment import RUN_DIR
 from spark_edge.metrics.process_tree import SERVING_INTERVAL_S, SERVING_RESCAN_S, TreeRssSampler, tree_cpu_seconds
 from spark_edge.metrics.prometheus import (
     MISS_REASONS,
@@ -155,7 +156,7 @@ def test_runtime_misses_are_exported_with_their_reason(
 ) -> None:
     """The reasons come from the runtime's own recording paths, not from hand-written events."""
     run_dir = tmp_path / "run"
-    monkeypatch.setenv(compile_cache.ENV_RUN_DIR, str(run_dir))
+    monkeypatch.setenv(RUN_DIR.name, str(run_dir))
     root = tmp_path / "vllm-cache"
     compile_cache.prepare_cache_root(root, {"weight_path": "bf16"})
     (root / "leftover").write_text("compiled for bf16")

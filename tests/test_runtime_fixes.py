@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from spark_edge.environment import RELEASE_MEMORY, RUN_DIR
 from spark_edge.runtime import compile_cache, fixes, post_import
 from spark_edge.runtime.compile_cache import (
     HIT,
@@ -31,7 +32,7 @@ from spark_edge.runtime.compile_cache import (
     read_events,
     record_event,
 )
-from spark_edge.runtime.memory import ENV_RELEASE, release_free_memory, releasers
+from spark_edge.runtime.memory import release_free_memory, releasers
 
 from engine_lock import flock_prefix
 
@@ -39,7 +40,7 @@ from engine_lock import flock_prefix
 @pytest.fixture
 def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     run = tmp_path / "run"
-    monkeypatch.setenv(compile_cache.ENV_RUN_DIR, str(run))
+    monkeypatch.setenv(RUN_DIR.name, str(run))
     return run
 
 
@@ -150,7 +151,7 @@ def test_emptying_removes_only_what_is_under_root(tmp_path: Path, run_dir: Path)
 
 
 def test_no_run_dir_means_no_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(compile_cache.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(RUN_DIR.name, raising=False)
     assert record_event(HIT) is False
     assert read_events(tmp_path) == []
 
@@ -190,7 +191,7 @@ def test_reader_skips_a_line_cut_short(run_dir: Path) -> None:
 def test_unwritable_run_dir_does_not_raise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(compile_cache.ENV_RUN_DIR, str(blocker / "run"))
+    monkeypatch.setenv(RUN_DIR.name, str(blocker / "run"))
     assert record_event(HIT) is False
 
 
@@ -497,15 +498,15 @@ def _run_fragmenter(env: dict[str, str]) -> dict[str, Any]:
 
 @pytest.mark.skipif("malloc_trim" not in releasers(), reason="no glibc malloc_trim in this process")
 def test_release_returns_freed_heap_to_the_os() -> None:
-    result = _run_fragmenter({**os.environ, ENV_RELEASE: "1"})
+    result = _run_fragmenter({**os.environ, RELEASE_MEMORY.name: "1"})
     assert result["release"]
     assert result["before"] - result["after"] > 150 << 20, result  # ~290 MiB were freed
 
 
 def test_release_is_off_with_env_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_RELEASE, "0")
+    monkeypatch.setenv(RELEASE_MEMORY.name, "0")
     assert release_free_memory("test") is None
-    result = _run_fragmenter({**os.environ, ENV_RELEASE: "0"})
+    result = _run_fragmenter({**os.environ, RELEASE_MEMORY.name: "0"})
     assert not result["release"]
     assert result["before"] - result["after"] < 32 << 20, result
 
@@ -693,7 +694,7 @@ def _start_engine(model: Path, cache_root: Path, run: Path, log: Path) -> dict[s
     env = {
         **os.environ,
         "VLLM_CACHE_ROOT": str(cache_root),
-        compile_cache.ENV_RUN_DIR: str(run),
+        RUN_DIR.name: str(run),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }

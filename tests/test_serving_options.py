@@ -27,7 +27,7 @@ def test_arm_specs() -> None:
     assert parse_arm("bf16@engine+torch-dequant") == (
         "bf16",
         ("--process-layout", "engine"),
-        {"SPARK_EDGE_NATIVE_DEQUANT": "0"},
+        {"SPARK_EDGE_DISABLED_KERNELS": "spark_edge_int4"},
     )
     assert parse_arm("w4a16+cpp-wrapper")[2] == {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"}
     for bad, message in (

@@ -442,7 +442,7 @@ BF16_MAX_NAT = 1.0
 # 4-bit tied table looked up through the kernel buffer. w4a8 measured 0.23 (decode 0.21): vLLM's AMX
 # kernel quantizes activations to int8 per token. Where spark-edge's int8-activation kernel takes decode
 # rows (Intel Skylake-SP, AVX-512 without VNNI): prefill 0.081, decode 0.26, and int8 rounding alone costs
-# the float64 reference 0.24 on those positions (0.073 with SPARK_EDGE_INT4_Q8=0). Bounds ~1.7-2x the
+# the float64 reference 0.24 on those positions (0.073 with int4_gemm_q8 disabled). Bounds ~1.7-2x the
 # measurement; a misloaded shard, a wrong zero point or a wrong head moves the mean by whole nats.
 W4A16_MEAN_NAT = 0.15
 W4A8_MEAN_NAT = 0.5

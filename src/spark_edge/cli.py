@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from spark_edge import __version__, registry
+from spark_edge.environment import VLLM_ARGS, environment_problems
 from spark_edge.errors import SparkEdgeError
-from spark_edge.serving.passthrough import VLLM_ARGS_ENV
 from spark_edge.settings import WEIGHT_PATH_CHOICES, serve_options
 
 
@@ -37,6 +37,8 @@ class _SparkEdge(click.Group):
 @click.version_option(__version__, prog_name="spark-edge")
 def main() -> None:
     """Serve small LLMs on CPUs with vLLM."""
+    if problems := environment_problems():  # before any command reads them: a usage error (exit 2), named
+        raise click.UsageError("; ".join(problems))
 
 
 @main.command()
@@ -122,7 +124,7 @@ def _run_server(serve_mode: bool, vllm_args: tuple[str, ...], **kwargs) -> None:
 
 
 _PASS_THROUGH_HELP = (
-    f"\n\nvLLM's own server options follow `--` (and ${VLLM_ARGS_ENV}, shell words, before them); "
+    f"\n\nvLLM's own server options follow `--` (and ${VLLM_ARGS.name}, shell words, before them); "
     "`-- --help` lists them. What spark-edge decides (context, KV size, sequences, prefill chunk, "
     "dtype, quantization, host, port, API key, process layout) is refused there, naming the "
     "option to use instead."

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from spark_edge.environment import HOME
+
 
 def spark_edge_home() -> Path:
     """$SPARK_EDGE_HOME, else $XDG_CACHE_HOME/spark-edge, else ~/.cache/spark-edge."""
-    explicit = os.environ.get("SPARK_EDGE_HOME")
+    explicit = HOME.get()
     if explicit:
         return Path(explicit).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

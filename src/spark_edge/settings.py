@@ -13,10 +13,10 @@ from pathlib import Path
 
 import click
 
-from spark_edge import weight_paths
+from spark_edge import environment, weight_paths
 from spark_edge.planning.kv_dtype import KV_DTYPES
 from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
-from spark_edge.serving.process_layout import DEFAULT_LAYOUT, DEFAULT_STUCK_STEP_S, LAYOUTS, STUCK_STEP_ENV
+from spark_edge.serving.process_layout import DEFAULT_LAYOUT, DEFAULT_STUCK_STEP_S, LAYOUTS
 from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 WEIGHT_PATH_CHOICES = list(weight_paths.NAMES)
@@ -43,7 +43,7 @@ SETTINGS: dict[str, Callable] = {
         "--model",
         type=click.Path(path_type=Path),
         default=None,
-        envvar="SPARK_EDGE_MODEL",
+        envvar=environment.MODEL.name,
         help="A GGUF file, a Hugging Face folder, or a folder built by `spark-edge build` "
         "(default: SmolLM2-135M-Instruct; in the images, the checkpoint they carry).",
     ),
@@ -52,7 +52,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.Choice(["auto", *WEIGHT_PATH_CHOICES]),
         default="auto",
         show_default=True,
-        envvar="SPARK_EDGE_WEIGHT_PATH",
+        envvar=environment.WEIGHT_PATH.name,
         help="auto: what a folder `spark-edge build` made was built for, else what `spark-edge probe` picks "
         "for this host.",
     ),
@@ -61,14 +61,14 @@ SETTINGS: dict[str, Callable] = {
         type=click.Choice(["speed", "fidelity"]),
         default="speed",
         show_default=True,
-        envvar="SPARK_EDGE_PRIORITY",
+        envvar=environment.PRIORITY.name,
         help="fidelity prefers bf16 activations (w4a16) over w4a8.",
     ),
     "host": setting(
         "--host",
         default="127.0.0.1",
         show_default=True,
-        envvar="SPARK_EDGE_HOST",
+        envvar=environment.HOST.name,
         help="Address to listen on (0.0.0.0: every interface; the images use it).",
     ),
     "port": setting(
@@ -76,7 +76,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(1, 65535),
         default=8000,
         show_default=True,
-        envvar="SPARK_EDGE_PORT",
+        envvar=environment.PORT.name,
         help="Port to listen on.",
     ),
     "max_model_len": setting(
@@ -84,7 +84,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(16),
         default=DEFAULT_MAX_MODEL_LEN,
         show_default=True,
-        envvar="SPARK_EDGE_MAX_MODEL_LEN",
+        envvar=environment.MAX_MODEL_LEN.name,
         help="Longest prompt plus completion, in tokens (reduced if the memory plan needs it).",
     ),
     "max_num_seqs": setting(
@@ -92,20 +92,20 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(1),
         default=DEFAULT_MAX_NUM_SEQS,
         show_default=True,
-        envvar="SPARK_EDGE_MAX_NUM_SEQS",
+        envvar=environment.MAX_NUM_SEQS.name,
         help="Requests decoded together.",
     ),
     "memory_limit": setting(
         "--memory-limit",
         type=click.IntRange(1),
         default=None,
-        envvar="SPARK_EDGE_MEMORY_LIMIT",
+        envvar=environment.MEMORY_LIMIT.name,
         help="Memory ceiling in bytes (default: the probe's, from host memory and the cgroup limit).",
     ),
     "api_key": setting(
         "--api-key",
         default=None,
-        envvar="SPARK_EDGE_API_KEY",
+        envvar=environment.API_KEY.name,
         help="Require `Authorization: Bearer KEY` on /v1/* (prefer the env var or a key file: "
         "a command line is visible to other users).",
     ),
@@ -113,7 +113,7 @@ SETTINGS: dict[str, Callable] = {
         "--api-key-file",
         type=click.Path(path_type=Path, dir_okay=False),
         default=None,
-        envvar="SPARK_EDGE_API_KEY_FILE",
+        envvar=environment.API_KEY_FILE.name,
         help="Read the API key from this file (first line).",
     ),
     "shutdown_timeout": setting(
@@ -121,7 +121,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(0),
         default=20,
         show_default=True,
-        envvar="SPARK_EDGE_SHUTDOWN_TIMEOUT",
+        envvar=environment.SHUTDOWN_TIMEOUT.name,
         help="Seconds in-flight requests get to finish after SIGTERM before they are aborted (0: abort at once).",
     ),
     "max_request_bytes": setting(
@@ -129,7 +129,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(1024),
         default=DEFAULT_MAX_REQUEST_BYTES,
         show_default=True,
-        envvar="SPARK_EDGE_MAX_REQUEST_BYTES",
+        envvar=environment.MAX_REQUEST_BYTES.name,
         help="Largest request body accepted; a larger one gets 413 before it is read.",
     ),
     "kv_cache_dtype": setting(
@@ -137,7 +137,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.Choice(KV_DTYPES),
         default="auto",
         show_default=True,
-        envvar="SPARK_EDGE_KV_CACHE_DTYPE",
+        envvar=environment.KV_CACHE_DTYPE.name,
         help="The KV cache's dtype. auto: bf16, or fp8 where only fp8 fits the context asked for (said at "
         "start); fp8 halves the KV cache and needs AVX-512 or AMX and a head size that is a multiple of 32.",
     ),
@@ -146,7 +146,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.IntRange(0),
         default=DEFAULT_STUCK_STEP_S,
         show_default=True,
-        envvar=STUCK_STEP_ENV,
+        envvar=environment.STUCK_STEP_TIMEOUT.name,
         help="single layout: seconds one engine step may run before the engine counts as stuck and the server "
         "exits 7 (0: never). The longest honest step is a prefill chunk of the largest model on the slowest host.",
     ),
@@ -155,7 +155,7 @@ SETTINGS: dict[str, Callable] = {
         type=click.Choice(LAYOUTS),
         default=DEFAULT_LAYOUT,
         show_default=True,
-        envvar="SPARK_EDGE_PROCESS_LAYOUT",
+        envvar=environment.PROCESS_LAYOUT.name,
         help="single: the engine core on a thread of the server's own process (one runtime in memory, "
         "fastest measured); engine: the engine core in a process of its own, vLLM's model worker inside it; "
         "split: vLLM's default, the worker in a third process.",

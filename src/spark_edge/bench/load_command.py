@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from spark_edge.environment import API_KEY
+
 if TYPE_CHECKING:  # the CLI imports this module at start: requests and the parser load when used
     from spark_edge.bench.load import LoadReport
 
@@ -55,7 +57,7 @@ def load_options(f: Callable) -> Callable:
             ),
             click.option("--url", default=None, help="--load: a running server to load (default: serve each arm)."),
             click.option(
-                "--api-key", default=None, envvar="SPARK_EDGE_API_KEY", help="--load with --url: the server's API key."
+                "--api-key", default=None, envvar=API_KEY.name, help="--load with --url: the server's API key."
             ),
         ]
     ):

@@ -21,6 +21,7 @@ import requests
 
 from spark_edge.bench.fidelity import score
 from spark_edge.bench.streams import concurrent_streams, random_prompt, stream_completion
+from spark_edge.environment import API_KEY, HOME
 from spark_edge.metrics.process_tree import TreeRssSampler
 from spark_edge.serving.server_process import ServerProcess, free_port, stop_group, wait_until_answers
 
@@ -130,8 +131,8 @@ def spark_edge_launch(
         str(port),
         *serve_args,
     ]
-    full_env = {**os.environ, "SPARK_EDGE_HOME": str(arm_home), **(env or {})}
-    full_env.pop("SPARK_EDGE_API_KEY", None)  # the bench talks to its own servers without a key
+    full_env = {**os.environ, HOME.name: str(arm_home), **(env or {})}
+    full_env.pop(API_KEY.name, None)  # the bench talks to its own servers without a key
     return Launch(cmd, full_env, checkpoint.name, cache)
 
 

@@ -35,8 +35,8 @@ by activation rows M and this host's policy (`host_policy`, set once per process
   with SIGILL in the attention kernel (AMX tile state); single rows never trip it.
 - "dequant", above those: the weight dequantized to bf16 in one pass, then oneDNN's GEMM.
 
-Without a compiler (or with SPARK_EDGE_NATIVE_DEQUANT=0) the Python op `cpu_int4_linear` makes the
-same choice without "native", on torch's own ops; it also serves layers that keep their row-major
+Without a compiler (or with SPARK_EDGE_DISABLED_KERNELS=spark_edge_int4) the Python op `cpu_int4_linear`
+makes the same choice without "native", on torch's own ops; it also serves layers that keep their row-major
 checkpoint copy (quantization_config direct_dequant: false).
 
 Only bf16 activations are accepted: the fp32 entry of the tinygemm op has no vectorized
@@ -47,12 +47,12 @@ is a config field (hashed into vLLM's compile-cache key).
 """
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 from torch.library import Library
 
+from spark_edge.environment import kernel_enabled
 from spark_edge.probe.cpu_features import host_has_amx_bf16, host_has_bf16_gemm
 from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
 from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
@@ -61,17 +61,10 @@ from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_la
 NAMESPACE = "spark_edge"
 ROW_LOOP_MAX_ROWS = 8  # without the native GEMM, up to this many rows: tinygemm one row at a time
 NATIVE_MAX_ROWS_BF16_HOST = 16  # with bf16 GEMM hardware, more rows than this go to oneDNN (prefill)
-# SPARK_EDGE_NATIVE_GEMM=0: the previous kernels (tinygemm row loop, C dequantization + oneDNN), for
-# side-by-side benchmarks (`spark-edge bench --paths w4a16,w4a16+tinygemm`)
-NATIVE_GEMM_SWITCH = "SPARK_EDGE_NATIVE_GEMM"
 Q8_MAX_ROWS = 4  # up to this many rows (decode), int8 activations and integer dot products (measured
 # 1.3-2.2x the fp32-activation GEMM at 1 row, 1.1-1.6x at 2-4, even from 8 rows on AVX512BW: docs/int4-kernels.md)
 Q8_MAX_ROWS_VNNI = 16  # with vpdpbusd quads (AVX512-VNNI) the int8 kernel stays ahead of the fp32 and bf16-tile
 # GEMMs through 16 rows (AMD EPYC Zen 4, 1.7B shapes: 1.1-1.6x the tiles at 16 rows, 1.5-2x native at 8)
-# SPARK_EDGE_INT4_Q8=0: decode on the fp32-activation native GEMM instead (`w4a16+fp32act` in the bench)
-Q8_SWITCH = "SPARK_EDGE_INT4_Q8"
-# SPARK_EDGE_INT4_TILES=0: prefill on dequantization + oneDNN instead of the bf16-tile GEMM (`w4a16+dequant`)
-TILES_SWITCH = "SPARK_EDGE_INT4_TILES"
 # int4_configure's `tiles`: the tile GEMM that serves above the native GEMM's rows (int4_kernels.h)
 TILES = {"none": 0, "tiles": 1, "amx": 2}
 AMX_MIN_ROWS = 17  # where the AMX tile GEMM serves, from here on: its cost is the weight's dequantization into
@@ -134,17 +127,17 @@ def q8_max_rows() -> int:
 
 
 def host_policy() -> KernelPolicy:
-    """This host's KernelPolicy (the switches above turn kernels off for side-by-side benchmarks)."""
-    if os.environ.get(NATIVE_GEMM_SWITCH, "1") == "0" or not native_gemm_vectorized():
+    """This host's KernelPolicy, less the kernels SPARK_EDGE_DISABLED_KERNELS names (side-by-side benchmarks:
+    `int4_gemm` leaves the tinygemm row loop and C dequantization + oneDNN, the kernels before the native GEMM)."""
+    if not kernel_enabled("int4_gemm") or not native_gemm_vectorized():
         return KernelPolicy(0, 0, ROW_LOOP_MAX_ROWS)
-    q8_max = q8_max_rows() if os.environ.get(Q8_SWITCH, "1") != "0" else 0
+    q8_max = q8_max_rows() if kernel_enabled("int4_gemm_q8") else 0
     if not host_has_bf16_gemm():  # oneDNN's bf16 GEMM converts to fp32 itself: the fp32 native GEMM wins
         return KernelPolicy(q8_max, -1, ROW_LOOP_MAX_ROWS)
-    if os.environ.get(TILES_SWITCH, "1") != "0":
-        if amx_tiles_available():
-            return KernelPolicy(min(q8_max, AMX_MIN_ROWS - 1), AMX_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["amx"])
-        if not host_has_amx_bf16() and bf16_tiles_available():
-            return KernelPolicy(q8_max, TILES_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["tiles"])
+    if kernel_enabled("int4_gemm_amx") and amx_tiles_available():
+        return KernelPolicy(min(q8_max, AMX_MIN_ROWS - 1), AMX_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["amx"])
+    if kernel_enabled("int4_gemm_bf16") and not host_has_amx_bf16() and bf16_tiles_available():
+        return KernelPolicy(q8_max, TILES_MIN_ROWS - 1, ROW_LOOP_MAX_ROWS, TILES["tiles"])
     return KernelPolicy(q8_max, NATIVE_MAX_ROWS_BF16_HOST, ROW_LOOP_MAX_ROWS)
 
 

@@ -24,7 +24,7 @@ the reference (the dequantization bit for bit, the GEMM within its stated tolera
 there is no compiler, the build fails, or a check fails, the torch paths of cpu_int4_op.py serve and a
 warning says why.
 
-SPARK_EDGE_NATIVE_DEQUANT=0 turns the library off (for side-by-side benchmarks).
+SPARK_EDGE_DISABLED_KERNELS=spark_edge_int4 turns the library off (for side-by-side benchmarks).
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
+from spark_edge.environment import kernel_enabled
 from spark_edge.paths import spark_edge_home
 from spark_edge.probe.cpu_features import all_cpu_flags
-from spark_edge.quant.native_switch import ENV_SWITCH, cxx_compiler
+from spark_edge.quant.native_switch import LIBRARY, cxx_compiler
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
@@ -294,7 +295,7 @@ def load_native_ops() -> bool:
     paths serve) with one warning saying why."""
     from spark_edge.quant.tinygemm_layout import detect_layout
 
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not kernel_enabled(LIBRARY):
         return False
     try:
         _load_library()

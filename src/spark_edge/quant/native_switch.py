@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 
-ENV_SWITCH = "SPARK_EDGE_NATIVE_DEQUANT"  # "0": no C++ int4 ops (the torch paths serve)
+from spark_edge.environment import kernel_enabled
+
+LIBRARY = "spark_edge_int4"  # its name in SPARK_EDGE_DISABLED_KERNELS: the torch paths serve
 
 
 def cxx_compiler() -> str | None:
@@ -15,5 +17,5 @@ def cxx_compiler() -> str | None:
 
 
 def native_ops_wanted() -> bool:
-    """The switch is on and a compiler is there (the build itself can still fail: then a warning)."""
-    return os.environ.get(ENV_SWITCH, "1") != "0" and cxx_compiler() is not None
+    """The library is not disabled and a compiler is there (the build itself can still fail: then a warning)."""
+    return kernel_enabled(LIBRARY) and cxx_compiler() is not None

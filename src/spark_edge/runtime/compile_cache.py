@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from spark_edge.environment import RUN_DIR
 from spark_edge.quant.native_switch import native_ops_wanted
 
 _LOG = logging.getLogger("vllm.spark_edge.compile_cache")
@@ -33,7 +34,6 @@ _LOG = logging.getLogger("vllm.spark_edge.compile_cache")
 STAMP_FILE = "spark_edge_cache_stamp.json"
 STAMP_SCHEMA = 1
 EVENTS_FILE = "events.jsonl"
-ENV_RUN_DIR = "SPARK_EDGE_RUN_DIR"
 
 HIT = "compile_cache_hit"
 MISS = "compile_cache_miss"
@@ -177,7 +177,7 @@ def record_event(event: str, **fields: Any) -> bool:
 
     Never raises: losing a counter must not stop an engine from starting.
     """
-    run_dir = os.environ.get(ENV_RUN_DIR)
+    run_dir = RUN_DIR.get()
     if not run_dir:
         return False
     line = json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **fields}) + "\n"

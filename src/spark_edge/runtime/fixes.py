@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from spark_edge.environment import PROCESS_LAYOUT
 from spark_edge.runtime import cache_digests, compile_cache
 from spark_edge.runtime.memory import release_free_memory
 from spark_edge.runtime.post_import import when_imported
@@ -456,7 +457,7 @@ SINGLE_LAYOUT = "single"
 
 
 def inproc_client_wanted() -> bool:
-    return os.environ.get("SPARK_EDGE_PROCESS_LAYOUT") == SINGLE_LAYOUT
+    return PROCESS_LAYOUT.get() == SINGLE_LAYOUT
 
 
 def _patch_inproc_async_client(core_client: ModuleType) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,8 +39,9 @@ from vllm.v1.engine.core_client import AsyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.request import RequestStatus
 
+from spark_edge.environment import STUCK_STEP_TIMEOUT
 from spark_edge.serving.launch import START_FAILED  # serve maps it to exit 7
-from spark_edge.serving.process_layout import DEFAULT_STUCK_STEP_S, STUCK_STEP_ENV
+from spark_edge.serving.process_layout import DEFAULT_STUCK_STEP_S
 
 _LOG = logging.getLogger("vllm.spark_edge.inproc_engine")
 
@@ -219,7 +219,7 @@ class AsyncInprocClient(AsyncMPClient):
             self.outputs_queue.put_nowait(EngineDeadError())
 
     async def _watch_for_a_stuck_step(self) -> None:
-        limit = float(os.environ.get(STUCK_STEP_ENV) or DEFAULT_STUCK_STEP_S)
+        limit = float(STUCK_STEP_TIMEOUT.get() or DEFAULT_STUCK_STEP_S)
         while limit > 0 and not self.resources.engine_dead and not self._stopped:
             await asyncio.sleep(WATCH_INTERVAL_S)
             started = self.core.step_started if self.core is not None else None

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
+from spark_edge.environment import BAKED_CACHE
 from spark_edge.runtime.compile_cache import STAMP_FILE
 
 _LOG = logging.getLogger("vllm.spark_edge.mapped_weights")
@@ -54,7 +55,7 @@ def mapped_weights_root() -> Path | None:
 
 def baked_mapped_file(root: Path, name: str) -> Path | None:
     """The image's mapped file of this name for this weight path, if made under the live root's stamp."""
-    baked = os.environ.get("SPARK_EDGE_BAKED_CACHE")
+    baked = BAKED_CACHE.get()
     if not baked:
         return None
     path_folder = root.parent.name  # the weight path's cache root

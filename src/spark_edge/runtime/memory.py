@@ -17,11 +17,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spark_edge.environment import RELEASE_MEMORY
 from spark_edge.metrics.process_tree import rss_anon_bytes
 
 _LOG = logging.getLogger("vllm.spark_edge.memory")
 
-ENV_RELEASE = "SPARK_EDGE_RELEASE_MEMORY"
 _MIB = 1 << 20
 
 
@@ -35,7 +35,7 @@ class Release:
 
 def release_enabled() -> bool:
     """On unless SPARK_EDGE_RELEASE_MEMORY=0."""
-    return os.environ.get(ENV_RELEASE, "1").strip() != "0"
+    return not RELEASE_MEMORY.is_off()
 
 
 def _global_symbol(name: str) -> Callable[..., int] | None:

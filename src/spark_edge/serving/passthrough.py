@@ -18,9 +18,8 @@ from pathlib import Path
 
 import click
 
+from spark_edge.environment import VLLM_ARGS
 from spark_edge.errors import InputFileError
-
-VLLM_ARGS_ENV = "SPARK_EDGE_VLLM_ARGS"  # the images' and manifests' way to pass vLLM options
 
 _MEMORY_PLAN = "spark-edge's memory plan sizes it"
 _ONE_ENGINE = "spark-edge runs one engine behind one API server (the memory plan sizes that)"
@@ -70,9 +69,9 @@ def describe(args: tuple[str, ...], env: dict[str, str], replaced: set[str]) -> 
 def vllm_args_from(env: dict[str, str], argv_tail: tuple[str, ...]) -> tuple[str, ...]:
     """$SPARK_EDGE_VLLM_ARGS (shell words) first, then what follows `--` on the command line."""
     try:
-        from_env = shlex.split(env.get(VLLM_ARGS_ENV, ""))
+        from_env = shlex.split(VLLM_ARGS.get(env) or "")
     except ValueError as exc:
-        raise click.UsageError(f"{VLLM_ARGS_ENV}: {exc}") from None
+        raise click.UsageError(f"{VLLM_ARGS.name}: {exc}") from None
     return (*from_env, *argv_tail)
 
 
@@ -93,7 +92,7 @@ def _vllm_parser() -> argparse.ArgumentParser:
     parser = make_arg_parser(FlexibleArgumentParser(prog="spark-edge serve [OPTIONS] --"))
 
     def error(message: str):  # vLLM's message, without its usage line of every option
-        raise click.UsageError(f"vLLM options (after -- or in ${VLLM_ARGS_ENV}): {message}")
+        raise click.UsageError(f"vLLM options (after -- or in ${VLLM_ARGS.name}): {message}")
 
     parser.error = error  # type: ignore[method-assign]
     for action in parser._actions:

@@ -18,11 +18,12 @@ one process, the engine and its worker as in "engine".
 
 from __future__ import annotations
 
+from spark_edge.environment import PROCESS_LAYOUT
+
 LAYOUTS = ("engine", "split", "single")
 # single: a step that has not returned after this many seconds (serve's --stuck-step-timeout, exported to the
 # server's environment) is a stuck engine, and the server exits 7 as if its engine process had died. The
 # longest honest step is a prefill chunk: 512 tokens of a 2B model on a host without bf16 hardware.
-STUCK_STEP_ENV = "SPARK_EDGE_STUCK_STEP_TIMEOUT"
 DEFAULT_STUCK_STEP_S = 120
 # single measured no slower than engine on every served figure, and 0.65x its settled memory (AMD EPYC Zen 4,
 # default model, w4a16, warm, same run: tg128 97.3 vs 83.9 tok/s, 4 streams 291.5 vs 273.1 tok/s, TTFT p95 at
@@ -34,9 +35,9 @@ def layout_env(layout: str) -> dict[str, str]:
     """What vLLM (and the in-process engine's fix) read at import; the layout's variable is set to the layout
     resolved, so every process and patch of this server sees the same one."""
     if layout in ("engine", "single"):
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SPARK_EDGE_PROCESS_LAYOUT": layout}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", PROCESS_LAYOUT.name: layout}
     if layout == "split":
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "SPARK_EDGE_PROCESS_LAYOUT": layout}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", PROCESS_LAYOUT.name: layout}
     raise ValueError(f"unknown process layout {layout!r} (known: {', '.join(LAYOUTS)})")
 
 

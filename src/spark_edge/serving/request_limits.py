@@ -10,12 +10,12 @@ The limit reaches the API server through the environment, as serve runs it in th
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from spark_edge.environment import MAX_REQUEST_BYTES
+
 MIDDLEWARE = "spark_edge.serving.request_limits.BodySizeLimit"  # vLLM's --middleware import path
-LIMIT_ENV = "SPARK_EDGE_MAX_REQUEST_BYTES"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 2048-token context is ~10 KiB of text; chat with images is not served
 
 Scope = dict[str, Any]
@@ -60,7 +60,7 @@ def _content_length(scope: Scope) -> str | None:
 class BodySizeLimit:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
-        self.limit = int(os.environ.get(LIMIT_ENV, DEFAULT_MAX_REQUEST_BYTES))
+        self.limit = int(MAX_REQUEST_BYTES.get() or DEFAULT_MAX_REQUEST_BYTES)
 
     def _too_large(self, size: str) -> str:
         return f"the request body ({size} bytes) is larger than this server accepts ({self.limit} bytes)"

@@ -19,6 +19,7 @@ import click
 
 from spark_edge import __version__
 from spark_edge.checkpoints.chat_template import missing_template_note
+from spark_edge.environment import IMAGE_ISA, MAX_REQUEST_BYTES, RUN_DIR, STUCK_STEP_TIMEOUT
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.metrics.process_tree import (
     SERVING_INTERVAL_S,
@@ -47,7 +48,6 @@ from spark_edge.serving.fast_start import prefetch_compiler_keys, resume_full_co
 from spark_edge.serving.process_layout import (
     DEFAULT_LAYOUT,
     DEFAULT_STUCK_STEP_S,
-    STUCK_STEP_ENV,
     layout_args,
     layout_env,
 )
@@ -153,7 +153,7 @@ def server_env(device: DeviceProfile, run_dir: Path, cache_root: Path, layout: s
     env = {
         **import_time_env(layout),
         "VLLM_CACHE_ROOT": str(cache_root),
-        "SPARK_EDGE_RUN_DIR": str(run_dir),
+        RUN_DIR.name: str(run_dir),
     }
     cores = device.cpus
     if cores.usable_cores < len(cores.affinity):
@@ -190,7 +190,7 @@ def _refuse_wrong_image(device: DeviceProfile) -> None:
 
     Its kernels would die with SIGILL deep in vLLM; the message names the image to use instead.
     """
-    image_isa = os.environ.get("SPARK_EDGE_IMAGE_ISA")
+    image_isa = IMAGE_ISA.get()
     problem = image_isa_problem(image_isa, device) if image_isa else None
     if problem is not None:
         raise UnsupportedHostError(problem)
@@ -261,8 +261,8 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
     p = prepare(req, log)
     env = server_env(p.device, p.run_dir, p.cache_root, req.process_layout)
     os.environ.update(env)
-    os.environ[request_limits.LIMIT_ENV] = str(req.max_request_bytes)  # read by the middleware in this process
-    os.environ[STUCK_STEP_ENV] = str(req.stuck_step_timeout)  # read by the single layout's engine watchdog
+    os.environ[MAX_REQUEST_BYTES.name] = str(req.max_request_bytes)  # read by the middleware in this process
+    os.environ[STUCK_STEP_TIMEOUT.name] = str(req.stuck_step_timeout)  # read by the single layout's engine watchdog
     if api_key:
         # vLLM guards /v1/* (and /v2, /inference) with it; /health and /metrics stay open for probes.
         # Through the environment, not argv: vLLM logs its non-default arguments.
