@@ -27,8 +27,8 @@ sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
 
 from spark_edge.bench.fidelity import text_chunks  # noqa: E402
 from spark_edge.bench.server_arm import run_arm  # noqa: E402
-from spark_edge.checkpoints.builder import build_checkpoint  # noqa: E402
 from spark_edge.probe.cpu_features import first_processor_fields  # noqa: E402
+from spark_edge.weight_paths.builder import build_checkpoint  # noqa: E402
 
 from published_exports import ct_decoded_bf16, publish_gptq, write_awq, write_ct  # noqa: E402
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
 from spark_edge.serving.server_process import ServerProcess, free_port
+from spark_edge.weight_paths.builder import build_checkpoint
 
 SERVER_START_TIMEOUT_S = 900  # a cold start compiles the model: ~100 s here, more on a busy machine
 SESSION_API_KEY = "sk-spark-edge-test-6f1d2c"  # the session's servers require it on /v1/*

@@ -16,12 +16,12 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.checkpoints.default_model import default_gguf
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, verify_checkpoint
 from spark_edge.errors import CheckpointError
 from spark_edge.exit_codes import CHECKPOINT
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from conftest import flip_middle_byte
 

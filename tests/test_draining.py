@@ -14,8 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from fastapi.testclient import TestClient
 
-from spark_edge.runtime import fixes
-from spark_edge.serving import draining
+from spark_edge.runtime import draining, fixes
 
 
 @pytest.fixture

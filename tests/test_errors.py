@@ -7,12 +7,13 @@ from click.testing import CliRunner
 
 from spark_edge import errors, exit_codes
 from spark_edge.cli import main
+from spark_edge.planning.memory_plan import PlanRefused
 
 KINDS = [
     cls
     for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, errors.SparkEdgeError) and cls is not errors.SparkEdgeError
-]
+] + [PlanRefused]  # beside the plan it carries
 
 
 def test_every_kind_has_a_documented_code_of_its_own_meaning() -> None:
@@ -25,7 +26,7 @@ def test_every_kind_has_a_documented_code_of_its_own_meaning() -> None:
 def test_the_command_group_prints_one_line_and_exits_with_the_kinds_code(kind: type) -> None:
     @main.command("raise-for-test")
     def raise_for_test() -> None:
-        raise (kind("why it stopped", None) if kind is errors.PlanRefused else kind("why it stopped"))
+        raise (kind("why it stopped", None) if kind is PlanRefused else kind("why it stopped"))
 
     try:
         result = CliRunner().invoke(main, ["raise-for-test"])

@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from spark_edge.checkpoints import synth
 from spark_edge.checkpoints.architecture import structure
-from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.models import synth
 from spark_edge.planning.model_shape import ModelShape
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from family_templates import CHAT, give_template, templates_dir
 from hf_reference import NEW_TOKENS, compare_with_transformers, deviation, reference_log_probs

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints import synth
 from spark_edge.checkpoints.chat_template import chat_template_source
 from spark_edge.checkpoints.gguf_source import GGUFSource
 from spark_edge.checkpoints.hf_source import TOKENIZER_FILES, HFSource
 from spark_edge.checkpoints.safetensors_stream import write_safetensors
 from spark_edge.errors import CheckpointError
-from spark_edge.models import synth
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from family_templates import CHAT, give_template
 

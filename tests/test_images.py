@@ -251,10 +251,9 @@ def avx512_image(docker: None) -> str:
 _SMALLEST_LIMIT = """
 import json, os
 from pathlib import Path
-from spark_edge.errors import PlanRefused
+from spark_edge.planning.memory_plan import PlanRefused
 from spark_edge.planning.ceiling import OwnMemory, own_share
-from spark_edge.planning.command import model_config
-from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
+from spark_edge.planning.serving_plan import model_config, resolve_plan, resolve_weight_path
 from spark_edge.probe.device import probe_device
 from spark_edge.probe.memory import probe_memory
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT

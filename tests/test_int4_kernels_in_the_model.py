@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from spark_edge.bench.fidelity import text_chunks
-from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.quant import cpu_int4_op
 from spark_edge.quant.tinygemm_layout import detect_layout
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from engine_lock import engine_lock
 

@@ -248,7 +248,8 @@ def test_a_child_that_has_not_exec_ed_yet_is_not_counted_twice() -> None:
     import os
     import time
 
-    from spark_edge.metrics.process_tree import rss_anon_bytes, tree_rss_anon_bytes
+    from spark_edge.metrics.process_tree import tree_rss_anon_bytes
+    from spark_edge.probe.procfs import rss_anon_bytes
 
     ballast = bytearray(64 << 20)  # noqa: F841 (resident: the parent's pages the child shares)
     for i in range(0, len(ballast), 4096):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from spark_edge.checkpoints.builder import build_checkpoint
-from spark_edge.planning.command import plan as plan_command
+from spark_edge.cli import plan as plan_command
 from spark_edge.serving.serve import ServeRequest, prepare
+from spark_edge.weight_paths.builder import build_checkpoint
 
 GiB = 1 << 30
 

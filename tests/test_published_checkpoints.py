@@ -21,21 +21,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spark_edge.checkpoints.builder import build_checkpoint
+from spark_edge.checkpoints import synth
+from spark_edge.checkpoints.served import CheckpointKind, ServedCheckpoint, checkpoint_kind
 from spark_edge.errors import CheckpointError
-from spark_edge.models import synth
 from spark_edge.quant import published_awq as pawq
 from spark_edge.quant import published_ct as pct
 from spark_edge.quant import published_gptq as pg
 from spark_edge.quant import rearrange_4bit
 from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1
 from spark_edge.quant.int4_asym import unpack_nibbles
-from spark_edge.serving.checkpoint import (
-    built_weight_path,
-    check_published_tensors,
-    checkpoint_for_serving,
-    published_format,
-)
+from spark_edge.serving.checkpoint import checkpoint_for_serving
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from hf_reference import compare_with_transformers
 from published_exports import asym_act_order_gptq, publish_gptq, write_awq, write_ct
@@ -149,8 +145,9 @@ def test_a_ct_layer_decodes_as_the_library_decodes_it(published: dict[str, Path]
 def test_spark_edges_own_w4a8_build_is_not_read_as_a_published_checkpoint(published: dict[str, Path]) -> None:
     """A w4a8 build is GPTQ with a 4-bit head, for vLLM's own method: not ours, and not refused as one of ours."""
     build = published["w4a8-build"]
-    assert published_format(build) is None and built_weight_path(build) == "w4a8"
-    check_published_tensors(build, json.loads((build / "config.json").read_text()))  # does not raise
+    assert checkpoint_kind(build) == CheckpointKind("build", "w4a8")
+    config = json.loads((build / "config.json").read_text())
+    ServedCheckpoint(build, build.name, config, checkpoint_kind(build)).check_published_tensors()  # does not raise
 
 
 def test_an_awq_layer_decodes_as_vllms_awq_order_reads_it(published: dict[str, Path]) -> None:
@@ -175,10 +172,11 @@ def test_serve_takes_a_published_folder_as_it_is(variant: str, published: dict[s
     folder = published[variant]
     before = sorted(p.name for p in folder.iterdir())
     logged: list[str] = []
-    assert checkpoint_for_serving(folder, "w4a8", logged.append) == (folder.absolute(), folder.name)
+    served = checkpoint_for_serving(folder, "w4a8", logged.append)
+    assert (served.folder, served.served_name) == (folder.absolute(), folder.name)
     assert logged and "as it is" in logged[0]
     method = _method(variant)
-    assert published_format(folder) == method and built_weight_path(folder) == "w4a16"
+    assert served.kind == checkpoint_kind(folder) == CheckpointKind("published", "w4a16", method)
     config = json.loads((folder / "config.json").read_text())
     if method == pawq.METHOD:
         assert pg.check_gptq_tensors(folder, config) is None and pct.check_ct_tensors(folder, config) is None

@@ -475,7 +475,7 @@ def test_a_raising_load_is_counted_and_reraised(run_dir: Path, tmp_path: Path) -
 
 _FRAGMENT_AND_FREE = textwrap.dedent("""
     import json, os, sys
-    from spark_edge.metrics.process_tree import rss_anon_bytes
+    from spark_edge.probe.procfs import rss_anon_bytes
     from spark_edge.runtime.memory import release_free_memory
     # 2 KiB blocks come from glibc's heap (above pymalloc's 512 B, below the mmap threshold);
     # keeping every 64th pins the heap top, so free() alone cannot give the memory back

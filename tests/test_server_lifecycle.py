@@ -24,10 +24,9 @@ import pytest
 import requests
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
-from spark_edge.errors import PlanRefused
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES
-from spark_edge.planning.memory_plan import MemoryPlan, MiB, make_plan
+from spark_edge.planning.memory_plan import MemoryPlan, MiB, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import probe_device
 from spark_edge.runtime.cache_digests import DIGESTS_FILE, damaged_files
@@ -436,8 +435,7 @@ def test_a_damaged_compile_cache_is_counted_as_a_miss_and_rebuilt(limited: Limit
 def _smallest_first_start_ceiling(home: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     """The smallest ceiling (to the MiB) under which `serve`'s plan accepts the default model, its default
     options and the probe's weight path on a fresh data folder: a start that builds and compiles."""
-    from spark_edge.planning.command import model_config
-    from spark_edge.planning.serving_plan import resolve_plan, resolve_weight_path
+    from spark_edge.planning.serving_plan import model_config, resolve_plan, resolve_weight_path
 
     monkeypatch.setenv("SPARK_EDGE_HOME", str(home))
     device = probe_device()

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from spark_edge.checkpoints.builder import build_checkpoint
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
 from spark_edge.models.tiny_spark import TinySparkShape, make_tiny_spark, spark_config
 from spark_edge.planning.memory_plan import KV_BLOCK_TOKENS, kv_bytes_for, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.quant.cpu_int4_op import kernel_for
+from spark_edge.weight_paths.builder import build_checkpoint
 
 from conftest import single_process_tp_group
 from hf_reference import logprob_matrix

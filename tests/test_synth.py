@@ -14,9 +14,9 @@ import torch
 from click.testing import CliRunner
 
 from spark_edge import exit_codes
+from spark_edge.checkpoints import synth
+from spark_edge.checkpoints.command import SYNTH_PRESETS
 from spark_edge.cli import main
-from spark_edge.models import synth
-from spark_edge.models.command import SYNTH_PRESETS
 
 # published parameter counts (embedding counted once when tied)
 PARAMS = {
@@ -72,7 +72,7 @@ def test_a_1_7b_checkpoint_is_written_in_under_1_gib(tmp_path: Path) -> None:
     inside the full run, where pytest itself had grown that large)."""
     out = tmp_path / "smollm2-1.7b"
     code = (
-        "import sys; from pathlib import Path; from spark_edge.models.synth import write_synthetic; "
+        "import sys; from pathlib import Path; from spark_edge.checkpoints.synth import write_synthetic; "
         "write_synthetic('smollm2-1.7b', Path(sys.argv[1]), 0); "
         "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import click
 from spark_edge import __version__, registry
 from spark_edge.environment import VLLM_ARGS, environment_problems
 from spark_edge.errors import SparkEdgeError
-from spark_edge.settings import WEIGHT_PATH_CHOICES, serve_options
+from spark_edge.settings import WEIGHT_PATH_CHOICES, plan_options, serve_options
 
 
 def _fail(message: str, code: int) -> None:
@@ -86,9 +87,9 @@ def build(
     keep_embedding: bool,
 ) -> None:
     """Build a servable Hugging Face checkpoint for one weight path."""
-    from spark_edge.checkpoints.builder import build_checkpoint
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
+    from spark_edge.weight_paths.builder import build_checkpoint
 
     params = build_params(weight_path, group_size, search, keep_embedding)
     target = out or checkpoint_dir(model_id(model), weight_path)
@@ -146,14 +147,45 @@ def warm(**kwargs) -> None:
     _run_server(False, **kwargs)
 
 
+@main.command()
+@plan_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plan(
+    model: Path | None,
+    weight_path: str,
+    priority: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    memory_limit: int | None,
+    kv_cache_dtype: str,
+    process_layout: str,
+    as_json: bool,
+) -> None:
+    """Predict load peak and steady anonymous RSS, and the context that fits: the plan `serve` runs with
+    (the same options and SPARK_EDGE_* variables)."""
+    from spark_edge.planning.memory_plan import PlanRefused
+    from spark_edge.planning.serving_plan import model_config, resolve_plan, resolve_weight_path
+    from spark_edge.probe.device import probe_device
+
+    device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
+    choice = resolve_weight_path(device, priority, weight_path)  # as serve's
+    try:
+        config = model_config(model)
+        asked = (memory_limit, max_model_len, max_num_seqs, process_layout)
+        result = resolve_plan(device, choice, model, config, *asked, kv_dtype=kv_cache_dtype).plan
+    except PlanRefused as exc:
+        if as_json:
+            click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))
+        raise  # the command group prints it and exits with its code
+    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else result.summary())
+
+
 def _register_subcommands() -> None:
     from spark_edge.bench.command import bench
-    from spark_edge.models.command import synth, tiny_spark
-    from spark_edge.planning.command import plan
+    from spark_edge.checkpoints.command import synth, tiny_spark
     from spark_edge.probe.command import probe
 
     main.add_command(probe)
-    main.add_command(plan)
     main.add_command(bench)
     main.add_command(tiny_spark)
     main.add_command(synth)

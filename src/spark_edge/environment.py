@@ -54,7 +54,10 @@ API_KEY_FILE = _setting("api_key_file")
 SHUTDOWN_TIMEOUT = _setting("shutdown_timeout")
 MAX_REQUEST_BYTES = _setting("max_request_bytes")  # also read by the body-limit middleware, serve sets it
 KV_CACHE_DTYPE = _setting("kv_cache_dtype")
-STUCK_STEP_TIMEOUT = _setting("stuck_step_timeout")  # also read by the single layout's engine watchdog
+# single layout: a step that has not returned after this many seconds (serve exports --stuck-step-timeout to its
+# own environment, the engine watchdog reads it) is a stuck engine, and the server exits 7 as if its engine process
+# had died. The longest honest step is a prefill chunk: 512 tokens of a 2B model on a host without bf16 hardware.
+STUCK_STEP_TIMEOUT = Variable("SPARK_EDGE_STUCK_STEP_TIMEOUT", SETTING, "`--stuck-step-timeout`", "120")
 PROCESS_LAYOUT = _setting("process_layout")  # also read by runtime/fixes.py in the process serve runs vLLM in
 
 HOME = Variable(

@@ -1,4 +1,5 @@
-"""Errors a user can act on, each with the README's exit code: the one place a refusal becomes a code.
+"""Errors a user can act on, each with the README's exit code: the one place a refusal becomes a code
+(planning's PlanRefused, exit 5, lives beside the plan it carries).
 
 The command group (cli) prints any of them as one line on stderr, without a traceback, and exits with
 its `exit_code`; a supervisor (Docker's restart policy, Kubernetes) can then tell a refusal that a retry
@@ -7,12 +8,9 @@ will not fix from a crash.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from spark_edge import exit_codes
-
-if TYPE_CHECKING:
-    from spark_edge.planning.memory_plan import MemoryPlan
 
 
 class SparkEdgeError(Exception):
@@ -46,16 +44,6 @@ class UnsupportedHostError(SparkEdgeError):
     exit_code = exit_codes.UNSUPPORTED_HOST
 
 
-class PlanRefused(SparkEdgeError):
-    """The model cannot be served under the ceiling even at the minimum context."""
-
-    exit_code = exit_codes.MEMORY
-
-    def __init__(self, message: str, plan: MemoryPlan):
-        super().__init__(message)
-        self.plan = plan
-
-
 class PeerUnavailable(SparkEdgeError):
     """The bench's peer could not be built or converted; the message is one line naming the cause and the log.
 
@@ -63,6 +51,11 @@ class PeerUnavailable(SparkEdgeError):
     """
 
     exit_code = exit_codes.PEER
+
+
+# vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py); the single
+# layout's in-process engine says the same (runtime/inproc_engine.py), and serve maps either to EngineDied
+ENGINE_START_FAILED = "Engine core initialization failed"
 
 
 class EngineDied(SparkEdgeError):

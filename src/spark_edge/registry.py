@@ -15,14 +15,25 @@ import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spark_edge.errors import CheckpointError
 
 if TYPE_CHECKING:
     from spark_edge.checkpoints.sources import CheckpointSource
-    from spark_edge.planning.model_shape import ModelShape
-    from spark_edge.probe.device import DeviceProfile
+
+
+class ModelShape(Protocol):
+    """What a weight path's byte count reads of a model's geometry (planning.model_shape.ModelShape is one)."""
+
+    vocab: int
+    hidden: int
+    tied_embeddings: bool
+
+    def linear_shapes(self) -> list[tuple[int, int]]: ...
+
+    def norm_params(self) -> int: ...
+
 
 WeightWriter = Callable[["CheckpointSource", "Path", dict[str, Any]], dict[str, Any]]
 BF16 = 2
@@ -38,7 +49,9 @@ class WeightPath:
     # load peak over settled, as a fraction of the weights (the plan's load transient)
     load_transient_fraction: float
     default_group: Callable[[Iterable[int]], int] | None  # the linears' K dims -> group (None: not grouped)
-    refusal: Callable[[DeviceProfile], str | None] = lambda _: None  # why a host cannot run it at all
+    # machines it runs on, and what to say on another (spark_edge.probe.weight_path_choice asks)
+    machines: tuple[str, ...] = ("x86_64", "aarch64")
+    elsewhere: str = ""
 
     def write(self) -> WeightWriter:
         module, function = self.writer.split(":")
@@ -100,12 +113,6 @@ def w4a8_group(ks: Iterable[int]) -> int:
     raise CheckpointError(f"w4a8: no group size of {W4A8_GROUPS} divides every K ({ks})")
 
 
-def _w4a8_refusal(profile: DeviceProfile) -> str | None:
-    if profile.machine == "aarch64":
-        return "w4a8 is the export for vLLM's x86 AMX kernel (AMX is an x86-64 extension): use --weight-path w4a16"
-    return None
-
-
 WEIGHT_PATHS: dict[str, WeightPath] = {
     p.name: p
     for p in (
@@ -136,7 +143,8 @@ WEIGHT_PATHS: dict[str, WeightPath] = {
             _w4a8_bytes,
             0.50,
             w4a8_group,
-            _w4a8_refusal,
+            ("x86_64",),
+            "w4a8 is the export for vLLM's x86 AMX kernel (AMX is an x86-64 extension): use --weight-path w4a16",
         ),
     )
 }
@@ -159,7 +167,7 @@ class Image:
     tag: str
     weight_path: str
     needs: str  # what the host must have, said to a user whose host lacks it
-    fits: Callable[[DeviceProfile], bool]  # the probe's requirement
+    runs_on: tuple[str, ...]  # the host classes (spark_edge.probe.isa.isa_label) it runs on
     arch: str  # the Debian/docker architecture it is built for
     recipe: str | None = None  # a shared recipe built after the image's own Dockerfile (repo-relative)
 
@@ -183,27 +191,6 @@ class Image:
         }
 
 
-# The probe's requirements. spark_edge.probe imports this module: its ISA questions are imported on use.
-
-
-def _amx(profile: DeviceProfile) -> bool:
-    from spark_edge.probe.isa import amx_w4a8_ready, has_avx512, host_problem
-
-    return host_problem(profile) is None and amx_w4a8_ready(profile) and has_avx512(profile)
-
-
-def _avx512(profile: DeviceProfile) -> bool:
-    from spark_edge.probe.isa import has_avx512, host_problem
-
-    return host_problem(profile) is None and has_avx512(profile)
-
-
-def _arm64(profile: DeviceProfile) -> bool:
-    from spark_edge.probe.isa import host_problem
-
-    return host_problem(profile) is None and profile.machine == "aarch64"
-
-
 X86_RECIPE = "docker/x86.Dockerfile"  # both x86-64 images are built by one recipe; their Dockerfiles say what differs
 # In order of preference: the most specific image a host runs is the one recommended.
 IMAGES: dict[str, Image] = {
@@ -215,7 +202,7 @@ IMAGES: dict[str, Image] = {
             "spark-edge:amx",
             "w4a8",
             "AMX int8 tiles usable by this process (Sapphire Rapids or newer Xeon)",
-            _amx,
+            ("amx",),
             "amd64",
             X86_RECIPE,
         ),
@@ -225,11 +212,11 @@ IMAGES: dict[str, Image] = {
             "spark-edge:avx512",
             "w4a16",
             "AVX-512 (avx512f, avx512bw, avx512dq, avx512vl)",
-            _avx512,
+            ("amx", "avx512"),
             "amd64",
             X86_RECIPE,
         ),
-        Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)", _arm64, "arm64"),
+        Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)", ("arm64",), "arm64"),
     )
 }
 

@@ -85,15 +85,16 @@ def arm_checkpoint(model: Path | None, path: str, log: Callable[[str], None] = _
     """The checkpoint an arm of weight path `path` serves, found as `serve` finds it: a folder `spark-edge build`
     made is served as it is, for the weight path it was built for only; any other source is built once into the
     data folder."""
-    from spark_edge.serving.checkpoint import built_weight_path, checkpoint_for_serving
+    from spark_edge.checkpoints.served import checkpoint_kind
+    from spark_edge.serving.checkpoint import checkpoint_for_serving
 
-    built = built_weight_path(model)
+    built = checkpoint_kind(model).weight_path
     if built is not None and built != path:
         raise click.UsageError(
             f"{model} is a {built} build: it serves the {built} arm only, not {path} (give bench "
             "the source model to compare weight paths)"
         )
-    return checkpoint_for_serving(model, path, log)[0]
+    return checkpoint_for_serving(model, path, log).folder
 
 
 def _offline_arms(specs: dict, arms: dict, home: Path, log_dir: Path, reps: int) -> dict:
@@ -122,12 +123,12 @@ def _peer_arm(model: Path | None) -> Arm:
     from spark_edge.bench.peer_arms import Peer
     from spark_edge.bench.peer_build import ensure_built, ensure_ggufs
     from spark_edge.bench.runner import Arm
+    from spark_edge.checkpoints.served import checkpoint_kind
     from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
     from spark_edge.probe.cpu_features import all_cpu_flags
     from spark_edge.probe.device import probe_device
-    from spark_edge.serving.checkpoint import built_weight_path
 
-    built = built_weight_path(model)
+    built = checkpoint_kind(model).weight_path
     if built not in (None, "bf16"):  # refused before llama.cpp's build (minutes), not after it
         raise click.UsageError(
             f"--peer converts the model's bf16 checkpoint to GGUF, and {model} is a "

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from spark_edge.probe.procfs import rss_anon_bytes
+
 _PROC = Path("/proc")
 
 
@@ -58,17 +60,6 @@ def process_tree(root_pid: int) -> list[int]:
         tree.append(pid)
         todo.extend(children.get(pid, []))
     return tree
-
-
-def rss_anon_bytes(pid: int, field: str = "RssAnon") -> int:
-    """RssAnon (or another /proc/PID/status RSS field: RssFile) of one process; 0 if it has gone."""
-    try:
-        for line in (_PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def tree_rss_anon_bytes(pids: list[int]) -> int:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from spark_edge.metrics.process_tree import rss_anon_bytes
 from spark_edge.probe.memory import MemoryBudget
+from spark_edge.probe.procfs import rss_anon_bytes
 
 MiB = 1 << 20
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from spark_edge.errors import PlanRefused
+from spark_edge import exit_codes
+from spark_edge.errors import SparkEdgeError
 from spark_edge.planning.kv_dtype import KV_DTYPE_BYTES
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
@@ -190,6 +191,16 @@ class MemoryPlan:
             f"{mib(self.logits_transient_bytes)}) under a ceiling of {mib(self.ceiling_bytes)} "
             f"with {mib(self.headroom_bytes)} headroom; {ctx}"
         )
+
+
+class PlanRefused(SparkEdgeError):
+    """The model cannot be served under the ceiling even at the minimum context."""
+
+    exit_code = exit_codes.MEMORY
+
+    def __init__(self, message: str, plan: MemoryPlan):
+        super().__init__(message)
+        self.plan = plan
 
 
 def activation_bytes(shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int) -> int:

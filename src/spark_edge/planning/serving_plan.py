@@ -12,19 +12,20 @@ the images' warm-up, which run them) and for `spark-edge plan`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spark_edge import registry
+from spark_edge.checkpoints.served import CheckpointKind, checkpoint_kind
 from spark_edge.checkpoints.sources import model_id
-from spark_edge.errors import PlanRefused
 from spark_edge.paths import checkpoint_dir
 from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling, OwnMemory, serving_ceiling
 from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES, compile_cache_root, compile_key, is_compiled
 from spark_edge.planning.kv_dtype import fp8_problem
-from spark_edge.planning.memory_plan import MemoryPlan, make_plan
+from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
@@ -123,12 +124,11 @@ def resolve_plan(
     layout: str,
     own: OwnMemory | None = None,
     kv_dtype: str = "auto",
+    kind: CheckpointKind | None = None,
 ) -> ResolvedPlan:
     """`model`: what was asked for, or the checkpoint built from it; `config`: its config.json. Raises
     PlanRefused. `own`: this process's memory when the probe read the cgroup (default: now)."""
-    from spark_edge.serving.checkpoint import built_weight_path  # (serving imports planning)
-
-    built = built_weight_path(model)
+    built = (kind or checkpoint_kind(model)).weight_path
     path = built or choice.name
     served = Path(model) if built else checkpoint_dir(model_id(model), path)  # the folder serve hands to vLLM
     ceiling = serving_ceiling(device.memory, memory_limit, own)
@@ -146,3 +146,12 @@ def plan_compile_key(checkpoint: Path, plan: MemoryPlan) -> str:
     folder = str(checkpoint.expanduser().absolute())
     decided = (plan.max_model_len, plan.max_num_seqs, plan.max_num_batched_tokens, plan.kv_cache_dtype)
     return compile_key(folder, plan.weight_path, *decided)
+
+
+def model_config(model: Path | None) -> dict:
+    """config.json of a built or HF checkpoint, or the config a GGUF converts to."""
+    if model is not None and (Path(model) / "config.json").is_file():
+        return json.loads((Path(model) / "config.json").read_text())
+    from spark_edge.checkpoints.sources import open_source
+
+    return open_source(model).hf_config()

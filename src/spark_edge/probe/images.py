@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from spark_edge import registry
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.probe.isa import AVX512, amx_missing_reason, has_avx512, host_problem
+from spark_edge.probe.isa import AVX512, amx_missing_reason, has_avx512, host_problem, isa_label
 
 IMAGES = {isa: image.tag for isa, image in registry.IMAGES.items()}
 
 
 def image_fits(image_isa: str, profile: DeviceProfile) -> bool:
-    return registry.image(image_isa).fits(profile)
+    """The host runs vLLM's CPU build and is of a class the image runs on (the one classification, isa_label)."""
+    return host_problem(profile) is None and isa_label(profile) in registry.image(image_isa).runs_on
 
 
 def recommended_image(profile: DeviceProfile) -> str | None:
     """The most specific image this host runs (the registry lists them in that order), or None when none fits."""
-    return next((image.tag for image in registry.IMAGES.values() if image.fits(profile)), None)
+    return next((image.tag for isa, image in registry.IMAGES.items() if image_fits(isa, profile)), None)
 
 
 def image_isa_problem(image_isa: str, profile: DeviceProfile) -> str | None:

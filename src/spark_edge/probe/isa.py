@@ -83,6 +83,6 @@ def isa_label(profile: DeviceProfile) -> str:
     (the same tests as the images' fit, so a label never contradicts which image runs here)."""
     if profile.machine == "aarch64":
         return "arm64"
-    if amx_w4a8_ready(profile):
+    if amx_w4a8_ready(profile) and has_avx512(profile):  # the amx image's kernels are AVX-512 ones too
         return "amx"
     return "avx512" if has_avx512(profile) else "avx2"

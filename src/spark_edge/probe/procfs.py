@@ -56,3 +56,14 @@ def parse_flat_keyed(text: str) -> dict[str, int]:
         if len(fields) == 2 and fields[1].lstrip("-").isdigit():
             values[fields[0]] = int(fields[1])
     return values
+
+
+def rss_anon_bytes(pid: int, field: str = "RssAnon") -> int:
+    """RssAnon (or another /proc/PID/status RSS field: RssFile) of one process; 0 if it has gone."""
+    try:
+        for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

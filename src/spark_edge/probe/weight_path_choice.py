@@ -95,9 +95,9 @@ def _arm_w4a16(profile: DeviceProfile, reason: str) -> WeightPathChoice:
 
 def _explicit(profile: DeviceProfile, name: str) -> WeightPathChoice:
     reason = f"{name} was asked for explicitly"
-    refusal = registry.weight_path(name).refusal(profile)
-    if refusal is not None:
-        raise UnsupportedHostError(refusal)
+    path = registry.weight_path(name)
+    if profile.machine not in path.machines:
+        raise UnsupportedHostError(path.elsewhere)
     if name == "w4a8" and not amx_w4a8_ready(profile):
         # vLLM runs a w4a8 (GPTQ) checkpoint without AMX through its W4A16 vector kernel: it
         # works, but it is not the AMX path, so say so rather than refuse (benchmarks use it).

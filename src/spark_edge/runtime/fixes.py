@@ -26,9 +26,9 @@ from typing import Any
 
 from spark_edge.environment import PROCESS_LAYOUT
 from spark_edge.runtime import cache_digests, compile_cache
+from spark_edge.runtime.draining import begin_draining
 from spark_edge.runtime.memory import release_free_memory
 from spark_edge.runtime.post_import import when_imported
-from spark_edge.serving.draining import begin_draining
 
 _LOG = logging.getLogger("vllm.spark_edge.fixes")
 
@@ -290,7 +290,7 @@ def _patch_cpu_worker_memory_release(cpu_worker: ModuleType) -> None:
 # `AsyncLLM.shutdown(timeout)`, which shuts the tokenizer pool down and then waits for the engine
 # to finish its in-flight requests. A request arriving in that window fails with HTTP 500
 # "cannot schedule new futures after shutdown". The wrapper marks the start of the drain
-# (spark_edge.serving.draining) before vLLM's shutdown runs; serve's middleware then answers new
+# (spark_edge.runtime.draining) before vLLM's shutdown runs; serve's middleware then answers new
 # requests with 503. Turns itself off: if AsyncLLM has no `shutdown`, nothing is wrapped (a
 # warning says so) and new requests during a drain get whatever vLLM answers.
 

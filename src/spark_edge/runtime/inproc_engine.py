@@ -40,8 +40,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.request import RequestStatus
 
 from spark_edge.environment import STUCK_STEP_TIMEOUT
-from spark_edge.serving.launch import START_FAILED  # serve maps it to exit 7
-from spark_edge.serving.process_layout import DEFAULT_STUCK_STEP_S
+from spark_edge.errors import ENGINE_START_FAILED  # serve maps it to exit 7
 
 _LOG = logging.getLogger("vllm.spark_edge.inproc_engine")
 
@@ -168,7 +167,7 @@ class AsyncInprocClient(AsyncMPClient):
         self._thread.start()
         started.wait()  # the event loop waits for the model, as vLLM's handshake with an engine process does
         if self.core is None:
-            raise RuntimeError(f"{START_FAILED} (in this process: {self.death}). See root cause above.")
+            raise RuntimeError(f"{ENGINE_START_FAILED} (in this process: {self.death}). See root cause above.")
         self._start_mm_warmup()
         self._watchdog = self._loop.create_task(self._watch_for_a_stuck_step(), name="EngineCoreWatchdog")
 
@@ -219,7 +218,7 @@ class AsyncInprocClient(AsyncMPClient):
             self.outputs_queue.put_nowait(EngineDeadError())
 
     async def _watch_for_a_stuck_step(self) -> None:
-        limit = float(STUCK_STEP_TIMEOUT.get() or DEFAULT_STUCK_STEP_S)
+        limit = float(STUCK_STEP_TIMEOUT.get() or 0)
         while limit > 0 and not self.resources.engine_dead and not self._stopped:
             await asyncio.sleep(WATCH_INTERVAL_S)
             started = self.core.step_started if self.core is not None else None

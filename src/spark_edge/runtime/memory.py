@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spark_edge.environment import RELEASE_MEMORY
-from spark_edge.metrics.process_tree import rss_anon_bytes
+from spark_edge.probe.procfs import rss_anon_bytes
 
 _LOG = logging.getLogger("vllm.spark_edge.memory")
 

@@ -17,13 +17,9 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from spark_edge.errors import EngineDied
+from spark_edge.errors import ENGINE_START_FAILED, EngineDied
 from spark_edge.probe.memory import oom_kills
 from spark_edge.serving.fast_start import freeze_imported
-
-# vLLM 0.32's words when its engine-core process ends before it is ready (vllm/v1/engine/utils.py); the single
-# layout's in-process engine says the same (runtime/inproc_engine.py)
-START_FAILED = "Engine core initialization failed"
 
 
 def engine_death(engine_client: Any) -> str | None:
@@ -31,7 +27,7 @@ def engine_death(engine_client: Any) -> str | None:
     (a sentinel thread), answers /health with 503 from then on, and its watchdog stops the HTTP server
     within 5 s; but the server then returns as after a clean shutdown, and the process would exit 0.
     After SIGTERM the engine is stopped on purpose (the drain has begun): not a death."""
-    from spark_edge.serving import draining
+    from spark_edge.runtime import draining
 
     if not engine_client.errored or draining.is_draining():
         return None
@@ -54,7 +50,7 @@ def start_death(exc: RuntimeError, oom_kills_before: int, memory: str) -> str | 
 
     vLLM names each dead process's exit code when it has it (`{'EngineCore': -9}`) and an empty dict when
     its sentinel fired first; the memory cgroup's OOM-kill counter then tells an OOM kill apart."""
-    if not str(exc).startswith(START_FAILED):
+    if not str(exc).startswith(ENGINE_START_FAILED):
         return None
     if in_process := re.search(r"\(in this process: (.*)\)\.", str(exc)):  # the single layout's engine thread
         return f"the engine failed while starting: {in_process.group(1)} (vLLM's log above says why)"

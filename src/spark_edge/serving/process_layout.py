@@ -18,13 +18,10 @@ one process, the engine and its worker as in "engine".
 
 from __future__ import annotations
 
-from spark_edge.environment import PROCESS_LAYOUT
+from spark_edge.environment import PROCESS_LAYOUT, STUCK_STEP_TIMEOUT
 
 LAYOUTS = ("engine", "split", "single")
-# single: a step that has not returned after this many seconds (serve's --stuck-step-timeout, exported to the
-# server's environment) is a stuck engine, and the server exits 7 as if its engine process had died. The
-# longest honest step is a prefill chunk: 512 tokens of a 2B model on a host without bf16 hardware.
-DEFAULT_STUCK_STEP_S = 120
+DEFAULT_STUCK_STEP_S = int(STUCK_STEP_TIMEOUT.default or 0)
 # single measured no slower than engine on every served figure, and 0.65x its settled memory (AMD EPYC Zen 4,
 # default model, w4a16, warm, same run: tg128 97.3 vs 83.9 tok/s, 4 streams 291.5 vs 273.1 tok/s, TTFT p95 at
 # 4 streams 125 vs 124 ms, settled 841 vs 1306 MiB); docs/footprint.md

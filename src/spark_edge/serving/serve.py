@@ -7,7 +7,6 @@ code, so a supervisor sees a clear error instead of an OOM kill or SIGILL crash 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,8 @@ import click
 
 from spark_edge import __version__
 from spark_edge.checkpoints.chat_template import missing_template_note
+from spark_edge.checkpoints.served import ServedCheckpoint
+from spark_edge.checkpoints.synth import synthetic_origin
 from spark_edge.environment import IMAGE_ISA, MAX_REQUEST_BYTES, RUN_DIR, STUCK_STEP_TIMEOUT
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.metrics.process_tree import (
@@ -27,7 +28,6 @@ from spark_edge.metrics.process_tree import (
     TreeRssSampler,
     process_age_seconds,
 )
-from spark_edge.models.synth import synthetic_origin
 from spark_edge.paths import spark_edge_home
 from spark_edge.planning.calibration import record_load_peak
 from spark_edge.planning.ceiling import Ceiling, OwnMemory
@@ -40,10 +40,11 @@ from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.isa import isa_label
 from spark_edge.probe.weight_path_choice import WeightPathChoice
 from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
+from spark_edge.runtime import draining
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events
-from spark_edge.serving import draining, passthrough, request_limits
-from spark_edge.serving.checkpoint import check_published_tensors, checkpoint_for_serving, published_format
+from spark_edge.serving import passthrough, request_limits
+from spark_edge.serving.checkpoint import checkpoint_for_serving
 from spark_edge.serving.fast_start import prefetch_compiler_keys, resume_full_collections
 from spark_edge.serving.process_layout import (
     DEFAULT_LAYOUT,
@@ -109,10 +110,11 @@ class _Phases:
         self.seconds[name] = time.monotonic() - t
 
 
-def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: MemoryPlan) -> list[str]:
+def vllm_argv(req: ServeRequest, served: ServedCheckpoint, plan: MemoryPlan) -> list[str]:
+    method = served.kind.method
     return [
-        "--model", str(checkpoint),
-        "--served-model-name", served_name,
+        "--model", str(served.folder),
+        "--served-model-name", served.served_name,
         "--host", req.host,
         "--port", str(req.port),
         "--dtype", "bfloat16",
@@ -128,7 +130,7 @@ def vllm_argv(req: ServeRequest, checkpoint: Path, served_name: str, plan: Memor
         f"--middleware={draining.MIDDLEWARE}",  # 503, not 500, for requests arriving during that drain
         f"--middleware={request_limits.MIDDLEWARE}",  # 413 before a body over the limit is read
         *layout_args(req.process_layout),
-        *(["--quantization", method] if (method := published_format(checkpoint)) else []),
+        *(["--quantization", method] if method else []),
         *req.vllm_args,  # what spark-edge decides was refused before (passthrough.py); the rest goes as given
     ]  # fmt: skip
 
@@ -174,8 +176,7 @@ def _fresh_run_dir() -> Path:
 class Prepared:
     device: DeviceProfile
     choice: WeightPathChoice
-    checkpoint: Path
-    served_name: str
+    served: ServedCheckpoint
     weight_path: str  # of the checkpoint actually served
     plan: MemoryPlan
     run_dir: Path
@@ -206,32 +207,31 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         _refuse_wrong_image(device)
         choice = resolve_weight_path(device, req.priority, req.weight_path)
     with phases.phase("checkpoint"):
-        checkpoint, served_name = checkpoint_for_serving(req.model, choice.name, log)
-        config = json.loads((checkpoint / "config.json").read_text())
-        check_cpu_int4_tensors(checkpoint, config)
-        check_published_tensors(checkpoint, config)
-        if origin := synthetic_origin(config):
+        served = checkpoint_for_serving(req.model, choice.name, log)
+        check_cpu_int4_tensors(served.folder, served.config)
+        served.check_published_tensors()
+        if origin := synthetic_origin(served.config):
             log(f"model: {origin}: for sizing and speed only, its text is noise")
-        if note := missing_template_note(checkpoint, req.vllm_args):
+        if note := missing_template_note(served.folder, req.vllm_args):
             log(note)
     resolved = resolve_plan(
         device,
         choice,
-        checkpoint,
-        config,
+        served.folder,
+        served.config,
         req.memory_limit,
         req.max_model_len,
         req.max_num_seqs,
         req.process_layout,
         own,
         req.kv_cache_dtype,
+        served.kind,
     )
     path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
     return Prepared(
         device,
         choice,
-        checkpoint,
-        served_name,
+        served,
         path,
         plan,
         _fresh_run_dir(),
@@ -329,7 +329,7 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
         facts.load_peak_bytes = p.sampler.peak
         p.sampler.set_pace(SERVING_INTERVAL_S, SERVING_RESCAN_S)  # the load peak is taken: no need for 20 ms
         seal_used(read_events(p.run_dir))  # what this run loaded or compiled is checked at the next start
-        record_compiled(p.cache_root, stamp, plan_compile_key(p.checkpoint, p.plan))  # the next start plans warm
+        record_compiled(p.cache_root, stamp, plan_compile_key(p.served.folder, p.plan))  # the next start plans warm
         log(
             f"ready in {now - p.phases.start:.1f} s; load peak {p.sampler.peak / 2**20:.0f} MiB anonymous RSS "
             f"(plan: {p.plan.load_peak_bytes / 2**20:.0f} MiB)"
@@ -345,4 +345,4 @@ def run(req: ServeRequest, log: Callable[[str], None], serve: bool = True) -> No
             )
 
     memory = f"{p.ceiling.describe()}, the plan's peak {p.plan.peak_bytes / 2**20:.0f} MiB"
-    run_openai_server(vllm_argv(req, p.checkpoint, p.served_name, p.plan), on_engine_ready, serve, memory)
+    run_openai_server(vllm_argv(req, p.served, p.plan), on_engine_ready, serve, memory)

@@ -70,7 +70,7 @@ def synth(like: str, out: Path, seed: int, tiny: bool) -> None:
     """A Hugging Face checkpoint with a real model's geometry and random weights (the default model's
     tokenizer), written tensor by tensor: for `plan`, `bench` and `serve` on a box before the weights exist.
     Its text is noise; `serve` says so."""
-    from spark_edge.models.synth import write_synthetic
+    from spark_edge.checkpoints.synth import write_synthetic
 
     try:
         write_synthetic(like, out, seed, small=tiny)

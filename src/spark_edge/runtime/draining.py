@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-MIDDLEWARE = "spark_edge.serving.draining.refuse_while_draining"  # vLLM's --middleware import path
+MIDDLEWARE = "spark_edge.runtime.draining.refuse_while_draining"  # vLLM's --middleware import path
 
 _draining = threading.Event()
 
