@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 isa=${1:?usage: build-image.sh avx512|amx|arm}
 python=${PYTHON:-.venv/bin/python}
 # The image's build arguments (ISA, weight path, architecture, served name) from spark-edge's registry
-registry_args=$("$python" -m spark_edge.registry image-args "$isa") || exit 2
+registry_args=$("$python" scripts/image_recipe.py image-args "$isa") || exit 2
 registry_arg() { sed -n "s/^$1=//p" <<<"$registry_args"; }
 arch=$(registry_arg ARCH)
 tag=${IMAGE_TAG:-spark-edge:$isa}
@@ -59,7 +59,7 @@ assemble_context() {
     mkdir -p "$context/docker"
     cp -a constraints.txt pyproject.toml README.md "$context/"
     # the image's own file (what it is), followed by its shared recipe if it has one (x86: how it is built)
-    "$python" -m spark_edge.registry dockerfile "$isa" >"$context/Dockerfile.$isa"
+    "$python" scripts/image_recipe.py dockerfile "$isa" >"$context/Dockerfile.$isa"
     cp -a src "$context/src"
     find "$context/src" \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +
     cp -a docker/*.sh docker/*.py docker/os-packages.txt "$context/docker/"

@@ -38,6 +38,7 @@ import kubernetes_validate
 import pytest
 import requests
 import yaml
+from image_recipe import dockerfile_text
 
 from spark_edge import registry
 
@@ -98,7 +99,7 @@ def _one(objects: tuple[dict, ...], *kinds: str) -> dict:
 def _dockerfile_facts(isa: str) -> dict[str, str]:
     """ARG and ENV values of image <isa>'s Dockerfile (the first value of each name wins: the ARG defaults)."""
     facts: dict[str, str] = {}
-    text = next(i for i in registry.IMAGES.values() if i.name == isa).dockerfile_text(REPO)  # as docker builds it
+    text = dockerfile_text(next(i for i in registry.IMAGES.values() if i.name == isa))  # as docker builds it
     for name, value in re.findall(r"\b([A-Z][A-Z0-9_]+)=([^\s\\]+)", text):
         facts.setdefault(name, value)
     facts["USER"] = re.search(r"^USER (\d+)", text, re.M).group(1)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from image_recipe import dockerfile_text
 
 from spark_edge import registry
 from spark_edge.probe.device import probe_device
@@ -228,7 +229,7 @@ def test_dockerfiles_are_hadolint_clean(tmp_path: Path) -> None:
     files = []
     for image in registry.IMAGES.values():
         files.append(tmp_path / image.dockerfile)
-        files[-1].write_text(image.dockerfile_text(REPO))
+        files[-1].write_text(dockerfile_text(image))
     files.append(REPO / "deploy" / "compose" / "Dockerfile.prometheus")
     result = subprocess.run([hadolint, *map(str, files)], capture_output=True, text=True)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr

@@ -5,16 +5,16 @@ error naming it."""
 from __future__ import annotations
 
 from click.testing import CliRunner
+from readme_tables import README, readme_as_generated
+from readme_tables import main as readme_tables
 
 from spark_edge import exit_codes
 from spark_edge.cli import main, serve
-from spark_edge.readme_tables import README, readme_as_generated
-from spark_edge.readme_tables import main as readme_tables
 
 
 def test_the_readme_table_is_what_cli_declares() -> None:
     assert readme_as_generated(README.read_text()) == README.read_text(), (
-        "README.md's serve settings or exit code table is stale: run python -m spark_edge.readme_tables"
+        "README.md's serve settings or exit code table is stale: run python scripts/readme_tables.py"
     )
     assert readme_tables(["--check"]) == 0
 

@@ -58,11 +58,15 @@ def test_images_name_their_dockerfile_and_a_registered_weight_path() -> None:
 
 @pytest.mark.parametrize("name", [i.name for i in registry.IMAGES.values()])
 def test_the_dockerfiles_arg_defaults_are_the_registrys_build_arguments(name: str) -> None:
-    """`docker build` by hand gets what `make image-*` passes (build-image.sh reads the registry)."""
+    """`docker build` by hand gets what `make image-*` passes (build-image.sh: scripts/image_recipe.py)."""
     out = subprocess.run(
-        [sys.executable, "-m", "spark_edge.registry", "image-args", name], capture_output=True, text=True, check=True
+        [sys.executable, REPO / "scripts" / "image_recipe.py", "image-args", name],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     wanted = dict(line.split("=", 1) for line in out.splitlines())
+    assert set(wanted) == {"IMAGE_ISA", "WEIGHT_PATH", "ARCH", "SERVED_NAME"}, out
     text = (REPO / f"Dockerfile.{name}").read_text()
     for key, value in wanted.items():
         defaults = re.findall(rf"^ARG {key}=(\S+)$", text, re.M)
@@ -73,6 +77,6 @@ def test_the_dockerfiles_arg_defaults_are_the_registrys_build_arguments(name: st
 
 def test_image_args_refuses_an_unknown_image() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "spark_edge.registry", "image-args", "avx2"], capture_output=True, text=True
+        [sys.executable, REPO / "scripts" / "image_recipe.py", "image-args", "avx2"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "amx|avx512|arm" in done.stderr

@@ -2,7 +2,7 @@
 
 serve's settings (settings.py) take their variables' names from here, the other variables are read through
 these declarations and never by name elsewhere, and the README's table of them is generated from this list
-(spark_edge.readme_tables), as vLLM keeps its variables in envs.py. A variable that was retired is refused
+(scripts/readme_tables.py), as vLLM keeps its variables in envs.py. A variable that was retired is refused
 by name at start, with what replaced it, rather than silently ignored.
 
 Standard library only: the kernels and vLLM's worker processes read it before anything else is imported.

@@ -1,4 +1,4 @@
-"""Exit codes of the spark-edge command; README.md's table is generated from MEANINGS (readme_tables).
+"""Exit codes of the spark-edge command; README.md's table is generated from MEANINGS (scripts/readme_tables.py).
 
 Distinct codes let a supervisor (Docker restart policy, Kubernetes) and a user tell
 a problem that retrying will not fix from a crash. spark_edge.errors gives each error its code.

@@ -175,21 +175,6 @@ class Image:
     def dockerfile(self) -> str:
         return f"Dockerfile.{self.name}"
 
-    def dockerfile_text(self, repo: Path) -> str:
-        """What docker builds: the image's own Dockerfile (what it is: its ARG defaults), then the recipe."""
-        text = (repo / self.dockerfile).read_text()
-        return text + (repo / self.recipe).read_text() if self.recipe else text
-
-    def docker_build_args(self) -> dict[str, str]:
-        from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
-
-        return {
-            "IMAGE_ISA": self.isa,
-            "WEIGHT_PATH": self.weight_path,
-            "ARCH": self.arch,
-            "SERVED_NAME": DEFAULT_MODEL_ID,
-        }
-
 
 X86_RECIPE = "docker/x86.Dockerfile"  # both x86-64 images are built by one recipe; their Dockerfiles say what differs
 # In order of preference: the most specific image a host runs is the one recommended.
@@ -226,30 +211,3 @@ def image(isa: str) -> Image:
         return IMAGES[isa]
     except KeyError:
         raise ValueError(f"unknown image ISA {isa!r}; known: {', '.join(IMAGES)}") from None
-
-
-REPO = Path(__file__).resolve().parents[2]  # a source checkout: where the Dockerfiles are
-
-
-def main(argv: list[str] | None = None) -> int:
-    """For docker/build-image.sh, about the image whose Dockerfile is Dockerfile.NAME:
-    `python -m spark_edge.registry image-args NAME`: its Docker build arguments, as KEY=VALUE lines;
-    `python -m spark_edge.registry dockerfile NAME`: the Dockerfile text docker builds."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    names = {i.name: i for i in IMAGES.values()}
-    if len(args) != 2 or args[0] not in ("image-args", "dockerfile") or args[1] not in names:
-        print(f"usage: python -m spark_edge.registry image-args|dockerfile {'|'.join(names)}", file=sys.stderr)
-        return 2
-    chosen = names[args[1]]
-    if args[0] == "dockerfile":
-        sys.stdout.write(chosen.dockerfile_text(REPO))
-        return 0
-    for key, value in chosen.docker_build_args().items():
-        print(f"{key}={value}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Every setting of `serve` and `warm`, declared once: its flag, environment variable, default and help.
 
 click shows each variable in --help, a bad value in one is the same usage error as the flag's (exit 2, naming
-the variable), and the README's table is generated from these declarations (spark_edge.readme_tables).
+the variable), and the README's table is generated from these declarations (scripts/readme_tables.py).
 `plan` takes the ones its plan depends on from here too, variables included, so in a pod's environment it
 prints the plan `serve` runs with.
 """
