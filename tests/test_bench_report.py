@@ -54,3 +54,28 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path, of
     assert "failed: ValueError: no KV cache" in text
     assert "one pass: a smoke run" in text
     json.loads(path.read_text())  # the source stays valid JSON
+
+
+def test_the_newest_full_run_per_host_and_model_comes_first_and_the_rest_are_listed(tmp_path: Path) -> None:
+    def run(name: str, host: str, tg: float, peer: bool) -> Path:
+        results = {"w4a16": [_arm("w4a16", tg, 250.0, tg)]}
+        if peer:
+            results["llama.cpp"] = [_arm("llama.cpp", 40.0, 160.0, 38.0)]
+        summary = summarize(results, "w4a16", peer="llama.cpp" if peer else None)
+        summary.update(model="default", host=f"{host}, 2 usable cores")
+        write_json(summary, tmp_path / name)
+        return tmp_path / name
+
+    paths = [
+        run("1-zen4.json", "AMD EPYC", 10.0, True),
+        run("2-xeon.json", "Intel Xeon", 20.0, True),
+        run("3-zen4.json", "AMD EPYC", 30.0, True),
+        run("4-zen4-variant.json", "AMD EPYC", 40.0, False),
+    ]
+    text = render(paths)
+    sections = [line for line in text.splitlines() if line.startswith("From `")]
+    assert [s.split("`")[1] for s in sections] == ["3-zen4.json", "2-xeon.json"]
+    listed = text.split("## Earlier and targeted runs", 1)[1]
+    assert "`4-zen4-variant.json`" in listed and "targeted (no peer)" in listed
+    assert "`1-zen4.json`" in listed and "superseded" in listed
+    assert "| w4a16 | 10.0 |" not in text  # the superseded run's figures are in its JSON only
