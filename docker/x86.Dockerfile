@@ -33,7 +33,7 @@ COPY pyproject.toml ./
 COPY README.md ./
 COPY src/ src/
 # spark-edge, then its C++ int4 ops for the build host's CPU (another CPU compiles its own at first start)
-RUN ./install-venv.sh project && /opt/spark-edge/venv/bin/python -m spark_edge.quant.native_int4
+RUN ./install-venv.sh project && /opt/spark-edge/venv/bin/python -m spark_edge.kernels.native_int4
 # VLLM_TARGET_DEVICE: vLLM's CPU platform, said rather than detected (arm64's torch is a CUDA build).
 ENV PATH=/opt/spark-edge/venv/bin:$PATH \
     VLLM_TARGET_DEVICE=cpu

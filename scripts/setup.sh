@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # spark-edge's C++ int4 ops for this host (keyed on its CPU and the sources; a no-op when built).
 build_kernels() {
-    "$VENV/bin/python" -m spark_edge.quant.native_int4
+    "$VENV/bin/python" -m spark_edge.kernels.native_int4
 }
 
 VENV=${SPARK_EDGE_VENV:-.venv}

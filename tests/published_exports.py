@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from spark_edge.checkpoints.architecture import structure
 from spark_edge.checkpoints.manifest import MANIFEST_NAME
-from spark_edge.quant import published_gptq as pg
-from spark_edge.quant.gptq_layout import pack_along_dim1, unpack_along_dim1
+from spark_edge.formats.gptq_layout import pack_along_dim1, unpack_along_dim1
+from spark_edge.vllm_methods import published_gptq as pg
 
 from spark_reference import _gptq_weight
 

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from spark_edge.checkpoints.hf_source import HFSource
 from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.errors import CheckpointError
-from spark_edge.quant import int4_asym as q4
-from spark_edge.quant import tinygemm_layout as tl
-from spark_edge.quant.cpu_int4_config import CpuInt4Settings
+from spark_edge.formats import int4_asym as q4
+from spark_edge.formats import tinygemm_layout as tl
+from spark_edge.formats.cpu_int4_config import CpuInt4Settings
 from spark_edge.weight_paths import NAMES, writers
 from spark_edge.weight_paths.w4a16 import REPORT_NAME, write_w4a16
 
@@ -170,10 +170,10 @@ OTHER_KERNELS = {"avx2": tl.KernelLayout(32, True), "default": tl.KernelLayout(3
 OTHER_KERNEL_SCRIPT = """
 import sys, torch
 from spark_edge.probe.cpu_features import host_has_bf16_gemm
-from spark_edge.quant import int4_asym as q4, tinygemm_layout as tl
-from spark_edge.quant.int4_asym import dequantize
-from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, gemm_within_tolerance, load_native_ops
-from spark_edge.quant.cpu_int4_op import kernel_for, register_ops
+from spark_edge.formats import int4_asym as q4, tinygemm_layout as tl
+from spark_edge.formats.int4_asym import dequantize
+from spark_edge.kernels.native_int4 import dequantize_kernel_weight_t, gemm_within_tolerance, load_native_ops
+from spark_edge.kernels.cpu_int4_op import kernel_for, register_ops
 register_ops()
 if sys.argv[2] == "1":  # AVX2's layout: the int8-activation kernel decodes, the native GEMM or oneDNN prefills
     assert kernel_for(1) == "q8" and kernel_for(64) == ("dequant" if host_has_bf16_gemm() else "native")
@@ -244,7 +244,7 @@ def test_direct_dequant_is_bit_exact(n: int, k: int, g: int) -> None:
 
 @pytest.mark.parametrize("n,k,g", [(960, 576, 32), (576, 1536, 64), (80, 64, 32), (48, 256, 128), (49152, 576, 32)])
 def test_native_dequant_is_bit_exact_and_transposed(n: int, k: int, g: int) -> None:
-    from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops
+    from spark_edge.kernels.native_int4 import dequantize_kernel_weight_t, load_native_ops
 
     if not load_native_ops():
         pytest.skip("no C compiler here: the torch path serves (covered above)")
@@ -257,7 +257,7 @@ def test_native_dequant_is_bit_exact_and_transposed(n: int, k: int, g: int) -> N
 
 
 def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from spark_edge.quant import native_int4 as ni
+    from spark_edge.kernels import native_int4 as ni
 
     cxx = ni._compiler()
     here = ni._build_key(cxx)
@@ -293,7 +293,7 @@ def test_supports_direct_dequant() -> None:
 
 @pytest.fixture(scope="module")
 def ops() -> object:
-    from spark_edge.quant.cpu_int4_op import register_ops
+    from spark_edge.kernels.cpu_int4_op import register_ops
 
     register_ops()
     register_ops()  # idempotent
@@ -312,7 +312,7 @@ def test_kernel_m1_matches_dequantized_reference(ops: object, n: int, k: int, g:
 
 @pytest.mark.parametrize("n", [576, 80])
 def test_op_single_row_and_multi_row_paths_agree(ops: object, n: int) -> None:
-    from spark_edge.quant.cpu_int4_op import ROW_LOOP_MAX_ROWS
+    from spark_edge.kernels.cpu_int4_op import ROW_LOOP_MAX_ROWS
 
     k, g, m = 128, 32, ROW_LOOP_MAX_ROWS + 3
     q, buf, sz = _kernel_form(torch.randn(n, k) * 0.05, g)
@@ -331,7 +331,7 @@ def test_op_single_row_and_multi_row_paths_agree(ops: object, n: int) -> None:
 
 
 def test_multi_row_results_do_not_depend_on_the_c_kernel(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from spark_edge.quant import native_int4
+    from spark_edge.kernels import native_int4
 
     if not native_int4.load_native_ops():
         pytest.skip("no C++ compiler here: only the torch path exists")
@@ -346,7 +346,7 @@ def test_tinygemm_only_ever_sees_single_rows(monkeypatch: pytest.MonkeyPatch) ->
     """Tinygemm on multi-row batches next to vLLM's CPU attention has died with SIGILL on AMX hosts:
     up to ROW_LOOP_MAX_ROWS rows the Python op (no compiler) calls it one row at a time, beyond that the
     weight is dequantized (the C++ op's loop: test_int4_kernels.py)."""
-    from spark_edge.quant import cpu_int4_op
+    from spark_edge.kernels import cpu_int4_op
 
     _, buf, sz = _kernel_form(torch.randn(64, 64) * 0.05, 32)
     dequantized: list[int] = []
@@ -425,7 +425,7 @@ def test_registered_with_vllm() -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
     from spark_edge.plugin import register
-    from spark_edge.quant.cpu_int4_method import CpuInt4Config
+    from spark_edge.vllm_methods.cpu_int4_method import CpuInt4Config
 
     register()
     register()  # idempotent
@@ -456,7 +456,7 @@ def vllm_tp1() -> Iterator[None]:
 
 
 def _config(**kw: object) -> object:
-    from spark_edge.quant.cpu_int4_method import CpuInt4Config
+    from spark_edge.vllm_methods.cpu_int4_method import CpuInt4Config
 
     return CpuInt4Config(CpuInt4Settings(**kw))
 
@@ -521,7 +521,7 @@ def test_linear_shape_the_kernel_cannot_pack_is_refused(vllm_tp1: None) -> None:
 def test_tied_embedding_and_head_share_one_quantized_table(vllm_tp1: None, direct: bool, head_first: bool) -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    from spark_edge.quant.cpu_int4_layers import CpuInt4EmbeddingMethod
+    from spark_edge.vllm_methods.cpu_int4_layers import CpuInt4EmbeddingMethod
 
     vocab, hidden = 1000, 64  # vLLM pads the table to 1024 rows
     config = _config(group_size=32, direct_dequant=direct)
@@ -552,7 +552,7 @@ def test_tied_embedding_and_head_share_one_quantized_table(vllm_tp1: None, direc
 def _snr_floor(rows: int, n: int, k: int) -> int:
     """40 dB against the exact product, 30 where the int8-activation kernel serves (int8 activations per
     32-K block cost about 1% of the result's norm; its exact bound is tested in test_int4_kernels.py)."""
-    from spark_edge.quant import cpu_int4_op
+    from spark_edge.kernels import cpu_int4_op
 
     return 30 if cpu_int4_op.kernel_for(rows, n, k, 32) == "q8" else 40
 
@@ -708,7 +708,7 @@ def test_w4a16_writer_drops_a_tied_head_copy_and_refuses_unknown_tensors(tmp_pat
 
 def test_serve_refuses_quantized_tensors_that_do_not_fit_the_config(tmp_path: Path) -> None:
     """Checked from the safetensors headers before vLLM loads anything: the tensor is named (exit 3)."""
-    from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
+    from spark_edge.formats.cpu_int4_tensors import check_cpu_int4_tensors
 
     _tiny_llama(tmp_path / "src")
     out = tmp_path / "out"

@@ -66,7 +66,7 @@ def test_disabled_kernels_are_named_and_a_bad_name_is_refused() -> None:
 
 
 def test_every_kernel_name_is_an_op_of_the_native_library() -> None:
-    sources = "".join(p.read_text() for p in (SRC / "quant" / "native").glob("*.cpp"))
+    sources = "".join(p.read_text() for p in (SRC / "kernels" / "native").glob("*.cpp"))
     for kernel in environment.KERNELS[1:]:  # [0] names the library itself
         assert re.search(rf"\b{kernel}\(", sources), kernel
     assert environment.KERNELS[0] == "spark_edge_int4"

@@ -23,8 +23,8 @@ import torch
 
 from spark_edge.bench.fidelity import text_chunks
 from spark_edge.environment import DISABLED_KERNELS
-from spark_edge.quant import cpu_int4_op
-from spark_edge.quant.tinygemm_layout import detect_layout
+from spark_edge.formats.tinygemm_layout import detect_layout
+from spark_edge.kernels import cpu_int4_op
 from spark_edge.weight_paths.builder import build_checkpoint
 
 from engine_lock import engine_lock

@@ -24,13 +24,13 @@ from safetensors.torch import load_file, save_file
 from spark_edge.checkpoints import synth
 from spark_edge.checkpoints.served import CheckpointKind, ServedCheckpoint, checkpoint_kind
 from spark_edge.errors import CheckpointError
-from spark_edge.quant import published_awq as pawq
-from spark_edge.quant import published_ct as pct
-from spark_edge.quant import published_gptq as pg
-from spark_edge.quant import rearrange_4bit
-from spark_edge.quant.gptq_layout import pack_along_dim0, pack_along_dim1
-from spark_edge.quant.int4_asym import unpack_nibbles
+from spark_edge.formats import rearrange_4bit
+from spark_edge.formats.gptq_layout import pack_along_dim0, pack_along_dim1
+from spark_edge.formats.int4_asym import unpack_nibbles
 from spark_edge.serving.checkpoint import checkpoint_for_serving
+from spark_edge.vllm_methods import published_awq as pawq
+from spark_edge.vllm_methods import published_ct as pct
+from spark_edge.vllm_methods import published_gptq as pg
 from spark_edge.weight_paths.builder import build_checkpoint
 
 from hf_reference import compare_with_transformers

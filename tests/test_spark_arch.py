@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
+from spark_edge.kernels.cpu_int4_op import kernel_for
 from spark_edge.models.spark_config import SparkConfig, default_layer_types
 from spark_edge.models.spark_layout import FULL, SLIDING, spark_dims
 from spark_edge.models.tiny_spark import TinySparkShape, make_tiny_spark, spark_config
 from spark_edge.planning.memory_plan import KV_BLOCK_TOKENS, kv_bytes_for, make_plan
 from spark_edge.planning.model_shape import ModelShape
-from spark_edge.quant.cpu_int4_op import kernel_for
 from spark_edge.weight_paths.builder import build_checkpoint
 
 from conftest import single_process_tp_group
@@ -321,10 +321,10 @@ def test_full_size_fused_qkv_through_vllm_cpu_int4_loader_and_kernels(vllm_tp1: 
     kernel: ~1% of the norm, so 30 dB; only bf16 rounding elsewhere, 40 dB)."""
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
+    from spark_edge.formats.cpu_int4_config import CpuInt4Settings
+    from spark_edge.formats.int4_asym import dequantize_weight, quantize
     from spark_edge.models.spark import split_fused_qkv
-    from spark_edge.quant.cpu_int4_config import CpuInt4Settings
-    from spark_edge.quant.cpu_int4_method import CpuInt4Config
-    from spark_edge.quant.int4_asym import dequantize_weight, quantize
+    from spark_edge.vllm_methods.cpu_int4_method import CpuInt4Config
 
     dims = spark_dims(FULL_SIZE)
     w = torch.randn(3072, 2048, generator=torch.Generator().manual_seed(3)) * 0.02
@@ -361,7 +361,7 @@ def test_full_size_split_qkv_loads_into_vllm_gptq(vllm_tp1: None, monkeypatch: p
     from vllm.model_executor.layers.linear import QKVParallelLinear
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
-    from spark_edge.quant import gptq_layout
+    from spark_edge.formats import gptq_layout
     from spark_edge.weight_paths.w4a8 import quantization_config
 
     monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "1")

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from spark_edge.checkpoints.hf_source import HFSource
 from spark_edge.errors import CheckpointError
-from spark_edge.quant import gptq_layout as gl
-from spark_edge.quant import int4_sym as s4
+from spark_edge.formats import gptq_layout as gl
+from spark_edge.formats import int4_sym as s4
 from spark_edge.weight_paths import NAMES, writers
 from spark_edge.weight_paths.w4a8 import REPORT_NAME, quantization_config, write_w4a8
 

@@ -12,8 +12,8 @@ def register() -> None:
     """Make spark-edge's quantization methods and models known to vLLM and apply its runtime fixes."""
     # Imported for its side effect: registers the "cpu_int4" quantization config.  It is
     # light on purpose; its layer methods and custom ops load when a model is built.
-    import spark_edge.quant.cpu_int4_method  # noqa: F401
-    import spark_edge.quant.published_methods  # noqa: F401  (published GPTQ and compressed-tensors checkpoints)
+    import spark_edge.vllm_methods.cpu_int4_method  # noqa: F401
+    import spark_edge.vllm_methods.published_methods  # noqa: F401  (published GPTQ and compressed-tensors checkpoints)
     from spark_edge.models import register_models
     from spark_edge.runtime.fixes import apply_runtime_fixes
 

@@ -125,9 +125,9 @@ def _time(fn: Callable[[], object], budget_s: float) -> float:
 
 
 def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...] = ROWS) -> list[dict]:
-    from spark_edge.quant import cpu_int4_op
-    from spark_edge.quant import native_int4 as ni
-    from spark_edge.quant import tinygemm_layout as tl
+    from spark_edge.formats import tinygemm_layout as tl
+    from spark_edge.kernels import cpu_int4_op
+    from spark_edge.kernels import native_int4 as ni
 
     if not cpu_int4_op.register_ops():
         raise RuntimeError("the native int4 ops are not available on this host (see the warning above)")
@@ -207,7 +207,7 @@ OTHERS = ("tinygemm_rows", "dequant_mm", "vllm_wna16", "vllm_w4a8", "bf16_mm")  
 
 
 def format_markdown(results: list[dict], model: str, group: int) -> str:
-    from spark_edge.quant import native_int4 as ni
+    from spark_edge.kernels import native_int4 as ni
 
     default = {code: form for form, code in ni.Q8_FORMS.items()}.get(torch.ops.spark_edge.int4_q8_default_form())
     columns = [(key, title) for key, title in COLUMNS if any(f"{key}_ms" in r for r in results)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spark_edge.checkpoints.manifest import MANIFEST_NAME, read_manifest
-from spark_edge.quant import published_awq, published_ct, published_gptq
+from spark_edge.vllm_methods import published_awq, published_ct, published_gptq
 
 # A published 4-bit checkpoint is served on the w4a16 path's kernels (repacked at load, never requantized).
 PUBLISHED_WEIGHT_PATH = "w4a16"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from spark_edge.environment import RUN_DIR
-from spark_edge.quant.native_switch import native_ops_wanted
+from spark_edge.kernels.native_switch import native_ops_wanted
 
 _LOG = logging.getLogger("vllm.spark_edge.compile_cache")
 

@@ -22,6 +22,7 @@ from spark_edge.checkpoints.served import ServedCheckpoint
 from spark_edge.checkpoints.synth import synthetic_origin
 from spark_edge.environment import IMAGE_ISA, MAX_REQUEST_BYTES, RUN_DIR, STUCK_STEP_TIMEOUT
 from spark_edge.errors import UnsupportedHostError
+from spark_edge.formats.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.metrics.process_tree import (
     SERVING_INTERVAL_S,
     SERVING_RESCAN_S,
@@ -39,7 +40,6 @@ from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.isa import isa_label
 from spark_edge.probe.weight_path_choice import WeightPathChoice
-from spark_edge.quant.cpu_int4_tensors import check_cpu_int4_tensors
 from spark_edge.runtime import draining
 from spark_edge.runtime.cache_digests import seal_used
 from spark_edge.runtime.compile_cache import cache_stamp, prepare_cache_root, read_events

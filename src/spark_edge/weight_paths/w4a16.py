@@ -3,7 +3,7 @@
 Every Linear weight of the decoder blocks, as the architecture's own module tree says
 (spark_edge.checkpoints.architecture: Llama's q/k/v/o and gate/up/down, Phi-3's fused
 qkv_proj and gate_up_proj, Spark-X2.5's q_k_v_proj and out_proj, ...), the token embedding
-and an untied head are quantized with spark_edge.quant.int4_asym; norms, biases and Spark's
+and an untied head are quantized with spark_edge.formats.int4_asym; norms, biases and Spark's
 head gate (g_proj, 0.001% of the weights) stay bf16.  Tensor names are kept: vLLM's loaders
 split a fused tensor by rows, which is exact here (N stays on dim 0).  Streaming: one source
 tensor is loaded, quantized and written at a time.
@@ -33,9 +33,9 @@ from spark_edge.checkpoints.architecture import Role, Structure, servable_struct
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
-from spark_edge.quant.int4_asym import bits_per_weight, quantize
-from spark_edge.quant.tinygemm_layout import kernel_supports
+from spark_edge.formats.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
+from spark_edge.formats.int4_asym import bits_per_weight, quantize
+from spark_edge.formats.tinygemm_layout import kernel_supports
 
 REPORT_NAME = "quantization_report.json"
 _PARAMS = {"group_size": int, "search": bool, "keep_embedding": bool, "direct_dequant": bool}

@@ -3,8 +3,8 @@
 vLLM loads the checkpoint with its "gptq" method and its CPU kernel runs it as W4A8
 (`int4_scaled_mm_cpu`, int8 activations on AMX) when the model runs in bf16 on an AMX
 host, else as W4A16 (`cpu_gemm_wna16`).  Both fix the zero point at 8, so the grid is
-symmetric (spark_edge.quant.int4_sym) and the tensors are AutoGPTQ's
-(spark_edge.quant.gptq_layout).
+symmetric (spark_edge.formats.int4_sym) and the tensors are AutoGPTQ's
+(spark_edge.formats.gptq_layout).
 
 What is quantized: every Linear of the decoder blocks, as the architecture's own module
 tree says (spark_edge.checkpoints.architecture), and the output head.  Spark's head gate
@@ -27,7 +27,7 @@ Params:
   search      per-group squared-error scale search (default false: the plain -e/8 grid).
               On the default model the search raises weight SNR by 0.4 dB but costs
               perplexity (x2.71 against x1.57 for the plain grid, g64), because it
-              clips group extremes; see spark_edge.quant.int4_sym
+              clips group extremes; see spark_edge.formats.int4_sym
 
 Also writes quantization_report.json (per-tensor SNR, bits per weight) into the checkpoint.
 """
@@ -49,9 +49,9 @@ from spark_edge.checkpoints.architecture import Role, Structure, architecture_of
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.errors import CheckpointError
+from spark_edge.formats import gptq_layout
+from spark_edge.formats.int4_sym import SCALE_DTYPE
 from spark_edge.models import spark_layout
-from spark_edge.quant import gptq_layout
-from spark_edge.quant.int4_sym import SCALE_DTYPE
 from spark_edge.registry import W4A8_GROUPS, w4a8_group
 
 REPORT_NAME = "quantization_report.json"

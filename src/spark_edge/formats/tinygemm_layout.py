@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
+from spark_edge.formats.int4_asym import dequantize, unpack_nibbles
 
 PACK_MULTIPLE = 16  # the packer requires N % 16 == 0
 DEFAULT_REPACK_ROWS = 2048  # rows expanded to int32 at a time (16 MiB at K = 2048)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spark_edge.quant.int4_sym import (
+from spark_edge.formats.int4_sym import (
     CODE_ZERO,
     DEFAULT_CHUNK_ELEMENTS,
     SCALE_DTYPE,

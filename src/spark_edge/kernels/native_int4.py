@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from spark_edge.environment import kernel_enabled
+from spark_edge.kernels.native_switch import LIBRARY, cxx_compiler
 from spark_edge.paths import spark_edge_home
 from spark_edge.probe.cpu_features import all_cpu_flags
-from spark_edge.quant.native_switch import LIBRARY, cxx_compiler
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
@@ -241,8 +241,8 @@ def _self_check() -> None:
     """The dequantization bit-exact, the GEMM within its tolerance of float64, on full blocks plus a
     16-channel tail (in every known layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups, row
     counts on both sides of the vector path's 8-row tile."""
-    from spark_edge.quant.int4_asym import dequantize
-    from spark_edge.quant.tinygemm_layout import (
+    from spark_edge.formats.int4_asym import dequantize
+    from spark_edge.formats.tinygemm_layout import (
         dequantize_kernel_weight,
         detect_layout,
         kernel_codes,
@@ -293,7 +293,7 @@ def _self_check() -> None:
 def load_native_ops() -> bool:
     """Build (if needed), load, configure for this host's buffer layout and check the ops; False (the torch
     paths serve) with one warning saying why."""
-    from spark_edge.quant.tinygemm_layout import detect_layout
+    from spark_edge.formats.tinygemm_layout import detect_layout
 
     if not kernel_enabled(LIBRARY):
         return False
@@ -311,7 +311,7 @@ def load_native_ops() -> bool:
 def native_gemm_vectorized() -> bool:
     """Whether the GEMM has its vector path for this host's buffer layout (elsewhere its portable loop is
     correct but slower than tinygemm, so it is not chosen)."""
-    from spark_edge.quant.tinygemm_layout import detect_layout
+    from spark_edge.formats.tinygemm_layout import detect_layout
 
     layout = detect_layout()
     return load_native_ops() and bool(torch.ops.spark_edge.int4_native_vectorized(layout.block, layout.halves))

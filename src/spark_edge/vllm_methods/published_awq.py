@@ -6,7 +6,7 @@
 | qzeros  | int32 | [G, N/8]   | zero point per group and output, packed the same way                         |
 | scales  | f16   | [G, N]     | scale per group and output                                                    |
 
-AWQ decodes (q - z) * s (the zero point stored as is), which spark_edge.quant.rearrange_4bit turns into
+AWQ decodes (q - z) * s (the zero point stored as is), which spark_edge.formats.rearrange_4bit turns into
 cpu_int4's form. This module imports no vLLM.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
-from spark_edge.quant.cpu_int4_config import GROUP_SIZES
-from spark_edge.quant.gptq_layout import PACK
-from spark_edge.quant.rearrange_4bit import CpuInt4Parts, cpu_int4_parts
+from spark_edge.formats.checkpoint_headers import expect_tensor, packed_layers
+from spark_edge.formats.cpu_int4_config import GROUP_SIZES
+from spark_edge.formats.gptq_layout import PACK
+from spark_edge.formats.rearrange_4bit import CpuInt4Parts, cpu_int4_parts
 
 SOURCE_METHOD = "awq"
 METHOD = "cpu_int4_awq"  # the vLLM quantization method that reads them (passed as --quantization)

@@ -29,15 +29,15 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from spark_edge.quant.cpu_int4_config import CpuInt4Settings
-from spark_edge.quant.cpu_int4_op import NAMESPACE, check_activation_dtype, native_linear_available, register_ops
-from spark_edge.quant.tinygemm_layout import (
+from spark_edge.formats.cpu_int4_config import CpuInt4Settings
+from spark_edge.formats.tinygemm_layout import (
     DEFAULT_REPACK_ROWS,
     detect_layout,
     kernel_supports,
     pack_for_kernel,
     scales_and_zeros,
 )
+from spark_edge.kernels.cpu_int4_op import NAMESPACE, check_activation_dtype, native_linear_available, register_ops
 
 register_ops()
 

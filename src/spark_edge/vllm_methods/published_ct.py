@@ -12,7 +12,7 @@ what the cpu_int4 kernels cannot serve is refused by name. Per quantized Linear 
 | P.weight_g_idx        | int32 | [K]        | actorder "group" only: the group of each input column              |
 
 The library decodes (q - zp) * s with q, zp signed; stored unsigned that is (u - zu) * s, which
-spark_edge.quant.rearrange_4bit turns into cpu_int4's form. This module imports no vLLM.
+spark_edge.formats.rearrange_4bit turns into cpu_int4's form. This module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
-from spark_edge.quant.cpu_int4_config import GROUP_SIZES
-from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
-from spark_edge.quant.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
+from spark_edge.formats.checkpoint_headers import expect_tensor, packed_layers
+from spark_edge.formats.cpu_int4_config import GROUP_SIZES
+from spark_edge.formats.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
+from spark_edge.formats.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
 
 SOURCE_METHOD = "compressed-tensors"
 METHOD = "cpu_int4_ct"  # the vLLM quantization method that reads them (passed as --quantization)

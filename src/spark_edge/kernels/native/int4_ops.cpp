@@ -12,6 +12,8 @@
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
  * int4_embedding reads a quantized embedding table's rows from its buffer (int4_dequant.cpp), so the token lookup
  * is one C++ call in the compiled graph too.
+ * That choice is made in one place, choose_kernel; int4_kernel_for reports it for a policy and a shape (what
+ * cpu_int4_op.kernel_for, the bench and the tests read), so no mirror of it exists elsewhere.
  * The fake (meta) implementation is registered from Python (native_int4.py).
  */
 #include "int4_kernels.h"
@@ -25,6 +27,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 namespace spark_edge {
@@ -59,6 +62,18 @@ void check_buffers(const at::Tensor &x, const at::Tensor &weight, const at::Tens
                 sz.sizes(), " does not match N=", n, ", K=", k, ", group size ", group);
 }
 
+enum class Kernel { Q8, NATIVE, AMX, TILES, TINYGEMM, DEQUANT };
+const char *const KERNEL_NAMES[] = {"q8", "native", "amx", "tiles", "tinygemm", "dequant"};
+
+/* The kernel int4_linear runs for M activation rows of an N x K weight under policy `p`: the one dispatch. */
+Kernel choose_kernel(const Policy &p, int64_t m, int64_t n, int64_t k, int64_t group) {
+    if (m <= p.q8_max_rows && int4_gemm_q8_supported(n, k, group, p.block, p.halves)) return Kernel::Q8;
+    if (p.native_max_rows < 0 || m <= p.native_max_rows) return Kernel::NATIVE;
+    if (p.tiles == TILES_AMX && k % 32 == 0 && int4_gemm_amx_supported(p.block, p.halves)) return Kernel::AMX;
+    if (p.tiles != TILES_NONE && int4_gemm_bf16_supported(p.block, p.halves)) return Kernel::TILES;
+    return m <= p.row_loop_max_rows ? Kernel::TINYGEMM : Kernel::DEQUANT;
+}
+
 /* The policy int4_configure set; every op needs it (the layout), so a process that never set it fails clearly. */
 const Policy &configured() {
     const Policy *p = policy.load();
@@ -76,6 +91,12 @@ void int4_configure(int64_t block, bool halves, int64_t q8_max_rows, int64_t nat
     // set once per process, before the first call; a later call replaces it (the old one is kept alive:
     // a concurrent caller may still read it)
     policy.store(new Policy{block, halves, q8_max_rows, native_max_rows, row_loop_max_rows, tiles});
+}
+
+std::string int4_kernel_for(int64_t m, int64_t n, int64_t k, int64_t group, int64_t block, bool halves,
+                            int64_t q8_max_rows, int64_t native_max_rows, int64_t row_loop_max_rows, int64_t tiles) {
+    const Policy p{block, halves, q8_max_rows, native_max_rows, row_loop_max_rows, tiles};
+    return KERNEL_NAMES[static_cast<int>(choose_kernel(p, m, n, k, group))];
 }
 
 bool int4_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, bool halves) {
@@ -189,19 +210,19 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     check_buffers(x, weight, sz, group);
     const int64_t m = x.size(0);
     if (m == 0) return at::empty({0, weight.size(0)}, x.options());
-    if (m <= p->q8_max_rows && int4_gemm_q8_supported(weight.size(0), x.size(1), group, p->block, p->halves))
-        return int4_gemm_q8_op(x, weight, sz, group, Q8_AUTO);
-    if (p->native_max_rows < 0 || m <= p->native_max_rows) return int4_gemm_op(x, weight, sz, group);
-    if (p->tiles == TILES_AMX && x.size(1) % 32 == 0 && int4_gemm_amx_supported(p->block, p->halves))
-        return int4_gemm_amx_op(x, weight, sz, group);
-    if (p->tiles != TILES_NONE && int4_gemm_bf16_supported(p->block, p->halves))
-        return int4_gemm_bf16_op(x, weight, sz, group);
-    if (m <= p->row_loop_max_rows) {
-        std::vector<at::Tensor> rows;
-        rows.reserve(m);
-        for (int64_t i = 0; i < m; i++)
-            rows.push_back(at::_weight_int4pack_mm_for_cpu(x.narrow(0, i, 1).contiguous(), weight, group, sz));
-        return at::cat(rows);
+    switch (choose_kernel(*p, m, weight.size(0), x.size(1), group)) {
+        case Kernel::Q8: return int4_gemm_q8_op(x, weight, sz, group, Q8_AUTO);
+        case Kernel::NATIVE: return int4_gemm_op(x, weight, sz, group);
+        case Kernel::AMX: return int4_gemm_amx_op(x, weight, sz, group);
+        case Kernel::TILES: return int4_gemm_bf16_op(x, weight, sz, group);
+        case Kernel::TINYGEMM: {
+            std::vector<at::Tensor> rows;
+            rows.reserve(m);
+            for (int64_t i = 0; i < m; i++)
+                rows.push_back(at::_weight_int4pack_mm_for_cpu(x.narrow(0, i, 1).contiguous(), weight, group, sz));
+            return at::cat(rows);
+        }
+        case Kernel::DEQUANT: break;
     }
     return at::mm(x, int4_dequant_t_op(weight, sz, group));
 }
@@ -215,6 +236,8 @@ TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_amx_tiles_supported(int block, bool halves) -> bool");
     m.def("int4_gemm_amx(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_q8_supported(int n, int k, int group_size, int block, bool halves) -> bool");
+    m.def("int4_kernel_for(int m, int n, int k, int group_size, int block, bool halves, int q8_max_rows, "
+          "int native_max_rows, int row_loop_max_rows, int tiles) -> str");
     m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_q8_default_form() -> int");  // for the configured layout
     m.def("int4_q8_form_supported(int form) -> bool");  // on the configured layout
@@ -240,6 +263,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_bf16_tiles_supported", &int4_bf16_tiles_supported);
     m.impl("int4_amx_tiles_supported", &int4_amx_tiles_supported);
     m.impl("int4_q8_supported", &int4_q8_supported);
+    m.impl("int4_kernel_for", &int4_kernel_for);
     m.impl("int4_q8_default_form", &int4_q8_default_form);
     m.impl("int4_q8_form_supported", &int4_q8_form_supported);
 }

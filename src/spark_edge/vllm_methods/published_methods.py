@@ -6,7 +6,7 @@ Registered out of tree like cpu_int4 (the plugin imports this module in every vL
 only when asked (`--quantization NAME`, which `spark-edge serve` passes for such a folder): spark-edge's own
 w4a8 builds are GPTQ checkpoints too, meant for vLLM's AMX kernel, and stay on vLLM's method. Layers load the
 checkpoint's tensors with vLLM's parameter classes (so merged q/k/v and gate/up stack as in vLLM's own
-methods), then each is rearranged into cpu_int4's form (spark_edge.quant.rearrange_4bit) and served exactly as
+methods), then each is rearranged into cpu_int4's form (spark_edge.formats.rearrange_4bit) and served exactly as
 a w4a16 build's layer (published_layers, imported on the first get_quant_method call: this module stays cheap
 for the API server).
 """
@@ -20,8 +20,8 @@ from torch.nn import Module
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from spark_edge.quant import published_awq, published_ct, published_gptq
-from spark_edge.quant.cpu_int4_config import CpuInt4Settings
+from spark_edge.formats.cpu_int4_config import CpuInt4Settings
+from spark_edge.vllm_methods import published_awq, published_ct, published_gptq
 
 
 class _PublishedInt4Config(QuantizationConfig):
@@ -67,7 +67,7 @@ class _PublishedInt4Config(QuantizationConfig):
     def get_quant_method(self, layer: Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-        from spark_edge.quant.published_layers import LINEAR_METHODS
+        from spark_edge.vllm_methods.published_layers import LINEAR_METHODS
 
         if not isinstance(layer, LinearBase):
             return None

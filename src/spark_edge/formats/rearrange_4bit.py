@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.int4_asym import pack_nibbles
+from spark_edge.formats.int4_asym import pack_nibbles
 
 CODE_ZERO = 8  # cpu_int4's code offset
 

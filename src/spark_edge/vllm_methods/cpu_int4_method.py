@@ -16,7 +16,7 @@ from torch.nn import Module
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from spark_edge.quant.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
+from spark_edge.formats.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -56,7 +56,7 @@ class CpuInt4Config(QuantizationConfig):
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-        from spark_edge.quant.cpu_int4_layers import CpuInt4EmbeddingMethod, CpuInt4LinearMethod
+        from spark_edge.vllm_methods.cpu_int4_layers import CpuInt4EmbeddingMethod, CpuInt4LinearMethod
 
         # VocabParallelEmbedding covers ParallelLMHead, its subclass
         if isinstance(layer, VocabParallelEmbedding):

@@ -19,10 +19,10 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from spark_edge.quant import published_awq, published_ct, published_gptq
-from spark_edge.quant.cpu_int4_layers import apply_linear, build_kernel_buffers, check_shape
-from spark_edge.quant.gptq_layout import PACK
-from spark_edge.quant.rearrange_4bit import CpuInt4Parts
+from spark_edge.formats.gptq_layout import PACK
+from spark_edge.formats.rearrange_4bit import CpuInt4Parts
+from spark_edge.vllm_methods import published_awq, published_ct, published_gptq
+from spark_edge.vllm_methods.cpu_int4_layers import apply_linear, build_kernel_buffers, check_shape
 
 _ORDER = "cpu_int4_input_order"  # int64 [K]: act-order's column order, a buffer of the layer
 

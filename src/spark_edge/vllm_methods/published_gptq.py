@@ -1,7 +1,7 @@
 """A published GPTQ checkpoint (AutoGPTQ / GPTQModel export, 4-bit) read as it is, for the cpu_int4 kernels.
 
 Nothing is requantized: each layer's codes, zero points and scales are rearranged at load into cpu_int4's
-row-major form (spark_edge.quant.cpu_int4_layers), which then builds the kernel buffers as for a w4a16 build.
+row-major form (spark_edge.vllm_methods.cpu_int4_layers), which then builds the kernel buffers as for a w4a16 build.
 
 | tensor  | dtype | shape      | content                                                            |
 |---------|-------|------------|--------------------------------------------------------------------|
@@ -11,7 +11,7 @@ row-major form (spark_edge.quant.cpu_int4_layers), which then builds the kernel 
 | g_idx   | int32 | [K]        | the group of each input column (act-order: a permutation of k // g) |
 
 GPTQ decodes w[n, k] = (q - z) * s with z = stored + 1 for checkpoint_format "gptq" (v1: AutoGPTQ's
-packer stores the zero point minus one) and z = stored for "gptq_v2"; spark_edge.quant.rearrange_4bit turns
+packer stores the zero point minus one) and z = stored for "gptq_v2"; spark_edge.formats.rearrange_4bit turns
 that into cpu_int4's form (and sorts act-order's columns).
 
 This module imports no vLLM: `serve` checks a folder with it before starting the engine.
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.checkpoint_headers import expect_tensor, packed_layers
-from spark_edge.quant.cpu_int4_config import GROUP_SIZES
-from spark_edge.quant.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
-from spark_edge.quant.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
+from spark_edge.formats.checkpoint_headers import expect_tensor, packed_layers
+from spark_edge.formats.cpu_int4_config import GROUP_SIZES
+from spark_edge.formats.gptq_layout import PACK, unpack_along_dim0, unpack_along_dim1
+from spark_edge.formats.rearrange_4bit import CpuInt4Parts, check_shared_order, cpu_int4_parts
 
 SOURCE_METHOD = "gptq"  # quantization_config.quant_method of the checkpoints read here
 METHOD = "cpu_int4_gptq"  # the vLLM quantization method that reads them (passed as --quantization)

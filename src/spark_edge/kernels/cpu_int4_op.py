@@ -53,10 +53,10 @@ import torch
 from torch.library import Library
 
 from spark_edge.environment import kernel_enabled
+from spark_edge.formats.int4_asym import dequantize, unpack_nibbles
+from spark_edge.formats.tinygemm_layout import dequantize_kernel_weight, detect_layout, gather_kernel_rows
+from spark_edge.kernels.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
 from spark_edge.probe.cpu_features import host_has_amx_bf16, host_has_bf16_gemm
-from spark_edge.quant.int4_asym import dequantize, unpack_nibbles
-from spark_edge.quant.native_int4 import dequantize_kernel_weight_t, load_native_ops, native_gemm_vectorized
-from spark_edge.quant.tinygemm_layout import dequantize_kernel_weight, detect_layout, gather_kernel_rows
 
 NAMESPACE = "spark_edge"
 ROW_LOOP_MAX_ROWS = 8  # without the native GEMM, up to this many rows: tinygemm one row at a time
@@ -121,7 +121,7 @@ def amx_tiles_available() -> bool:
 
 def q8_max_rows() -> int:
     """Rows the int8-activation GEMM serves up to on this host: more where its form is vpdpbusd quads."""
-    from spark_edge.quant.native_int4 import Q8_FORMS
+    from spark_edge.kernels.native_int4 import Q8_FORMS
 
     return Q8_MAX_ROWS_VNNI if torch.ops.spark_edge.int4_q8_default_form() == Q8_FORMS["quads"] else Q8_MAX_ROWS
 
@@ -143,19 +143,12 @@ def host_policy() -> KernelPolicy:
 
 def kernel_for(m: int, n: int = 64, k: int = 64, group: int = 32) -> str:
     """ "q8", "native", "amx", "tiles", "tinygemm" or "dequant": the kernel int4_linear runs here for M
-    activation rows of an N x K weight."""
-    q8_max, native_max, row_loop_max, tiles = host_policy()
-    if m <= q8_max:
-        layout = detect_layout()
-        if torch.ops.spark_edge.int4_q8_supported(n, k, group, layout.block, layout.halves):
-            return "q8"
-    if native_max < 0 or m <= native_max:
-        return "native"
-    if tiles == TILES["amx"] and k % 32 == 0:
-        return "amx"
-    if tiles:  # the AMX policy takes the vdpbf16ps tiles where K does not fit AMX's 32-step rows
-        return "tiles"
-    return "tinygemm" if m <= row_loop_max else "dequant"
+    activation rows of an N x K weight, as the C++ op's own dispatch decides it (int4_kernel_for); without
+    the library, the Python op's rule."""
+    if not load_native_ops():
+        return "tinygemm" if m <= ROW_LOOP_MAX_ROWS else "dequant"
+    layout = detect_layout()
+    return torch.ops.spark_edge.int4_kernel_for(m, n, k, group, layout.block, layout.halves, *host_policy())
 
 
 def _tinygemm(row: torch.Tensor, weight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from spark_edge.errors import CheckpointError
-from spark_edge.quant.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
+from spark_edge.formats.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
 
 PACKED, SCALE, ZERO = "weight_packed", "weight_scale", "weight_zero"
 
