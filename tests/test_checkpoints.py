@@ -222,3 +222,20 @@ def test_bad_input_fails_clearly_without_output(tmp_path: Path, make_source, mes
     assert re.search(message, result.stderr), result.stderr
     assert not out.exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.") and p.is_dir()] == []
+
+
+def test_a_model_transformers_does_not_build_declares_its_tensor_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generic code names no model: a declared layout alone decides the roles (Spark-X2.5's is one)."""
+    from spark_edge.checkpoints import architecture
+    from spark_edge.models.declared_layout import DeclaredLayout
+
+    toy = DeclaredLayout("ToyForCausalLM", "toy", "model.tok.weight", "lm_head.weight", (".mix.weight",), (".gate.w",))
+    monkeypatch.setattr(architecture, "DECLARED_LAYOUTS", (toy,))
+    arch = architecture.structure({"architectures": ["ToyForCausalLM"], "tie_word_embeddings": True})
+    assert arch.role("model.tok.weight", (10, 4)) is architecture.Role.EMBEDDING
+    assert arch.role("lm_head.weight", (10, 4)) is architecture.Role.TIED_HEAD
+    assert arch.role("model.layers.0.mix.weight", (4, 4)) is architecture.Role.LINEAR
+    assert arch.role("model.layers.0.gate.w", (2, 4)) is architecture.Role.FULL_PRECISION
+    assert arch.role("model.layers.0.norm.weight", (4,)) is architecture.Role.VECTOR
+    with pytest.raises(CheckpointError, match="refusing to guess"):
+        arch.role("model.layers.0.other.weight", (4, 4))

@@ -4,8 +4,8 @@ The 4-bit writers quantize every Linear weight of the decoder blocks and nothing
 tensors those are is not a list of names: it is read from the model itself, built by Hugging
 Face transformers on the meta device (no memory, no weights) from the checkpoint's config, so a
 family's own structure decides (Phi-3's fused `qkv_proj` and `gate_up_proj`, Qwen2's biases,
-Qwen3's and Gemma 3's q/k norms). Spark-X2.5 has no transformers model; its layout is
-spark_layout's.
+Qwen3's and Gemma 3's q/k norms). A model transformers does not build (Spark-X2.5) declares its
+layout itself (spark_edge.models.DECLARED_LAYOUTS).
 
 Also refused here, before anything is written: an architecture vLLM does not implement itself
 (its generic Transformers backend is not one the 4-bit methods were verified on), and a tensor
@@ -21,7 +21,8 @@ from enum import Enum
 from typing import Any
 
 from spark_edge.errors import CheckpointError
-from spark_edge.models import spark_layout
+from spark_edge.models import DECLARED_LAYOUTS
+from spark_edge.models.declared_layout import DeclaredLayout
 
 
 class Role(Enum):
@@ -29,7 +30,7 @@ class Role(Enum):
     EMBEDDING = "embedding"  # the token table
     HEAD = "head"  # the output head's own tensor (an untied source)
     TIED_HEAD = "tied_head"  # a head tensor the config ties to the table: a copy nobody reads
-    GATE = "gate"  # Spark's head gate: a plain parameter, never a quantized Linear
+    FULL_PRECISION = "full_precision"  # a plain parameter its model declares (Spark's head gate): never 4-bit
     VECTOR = "vector"  # norms and biases, kept in bf16
 
 
@@ -40,6 +41,7 @@ class Structure:
     embedding: str
     head: str  # the head's weight name in this architecture (read from the table when tied)
     tied: bool
+    full_precision_suffixes: tuple[str, ...] = ()  # plain matrices the model declares (DeclaredLayout)
 
     def role(self, name: str, shape: tuple[int, ...]) -> Role:
         if name == self.embedding:
@@ -48,8 +50,8 @@ class Structure:
             return Role.TIED_HEAD if self.tied else Role.HEAD
         if name in self.linears:
             return Role.LINEAR
-        if name.endswith(spark_layout.HEAD_GATE) and self.architecture == spark_layout.ARCHITECTURE:
-            return Role.GATE
+        if self.full_precision_suffixes and name.endswith(self.full_precision_suffixes):
+            return Role.FULL_PRECISION
         if len(shape) == 1:
             return Role.VECTOR
         raise CheckpointError(
@@ -93,15 +95,30 @@ def structure(config: dict[str, Any]) -> Structure:
     """The tensor roles of the architecture `config` describes."""
     architecture = architecture_of(config)
     tied = bool(config.get("tie_word_embeddings", False))
-    if spark_layout.is_spark(config):
-        return _SparkStructure(architecture, frozenset(), spark_layout.EMBEDDING, "lm_head.weight", tied)
+    if (declared := declared_layout(config)) is not None:
+        return _DeclaredStructure(
+            architecture,
+            frozenset(),
+            declared.embedding,
+            declared.head,
+            tied,
+            declared.full_precision_suffixes,
+            declared.linear_suffixes,
+        )
     return _transformers_structure(json.dumps(config, sort_keys=True))
 
 
+def declared_layout(config: dict[str, Any]) -> DeclaredLayout | None:
+    """The layout a model transformers does not build declares for this config, if any."""
+    return next((layout for layout in DECLARED_LAYOUTS if layout.matches(config)), None)
+
+
 @dataclass(frozen=True)
-class _SparkStructure(Structure):
+class _DeclaredStructure(Structure):
+    linear_suffixes: tuple[str, ...] = ()
+
     def role(self, name: str, shape: tuple[int, ...]) -> Role:
-        if name.startswith("model.layers.") and name.endswith(spark_layout.LINEAR_WEIGHT_SUFFIXES):
+        if name.startswith("model.layers.") and name.endswith(self.linear_suffixes):
             return Role.LINEAR
         return super().role(name, shape)
 

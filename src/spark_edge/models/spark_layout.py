@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from spark_edge.models.declared_layout import DeclaredLayout
+
 ARCHITECTURE = "Spark2_5ForCausalLM"
 MODEL_TYPE = "spark2_5"
 SLIDING = "sliding_attention"
@@ -43,8 +45,19 @@ LINEAR_WEIGHT_SUFFIXES = (
 )
 
 
+LAYOUT = DeclaredLayout(
+    ARCHITECTURE,
+    MODEL_TYPE,
+    EMBEDDING,
+    "lm_head.weight",
+    LINEAR_WEIGHT_SUFFIXES,
+    full_precision_suffixes=(HEAD_GATE,),
+    fused_qkv=QKV,
+)
+
+
 def is_spark(config: dict[str, Any]) -> bool:
-    return config.get("model_type") == MODEL_TYPE or ARCHITECTURE in (config.get("architectures") or [])
+    return LAYOUT.matches(config)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ def builder_code_fingerprint() -> str:
     instead of serving bytes the current code would not write.
     """
     root = Path(__file__).resolve().parent.parent
-    files = [p for d in ("checkpoints", "weight_paths", "quant") for p in (root / d).glob("*.py")]
-    files.append(root / "models" / "spark_layout.py")  # the Spark tensor names the writers follow
+    files = [p for d in ("checkpoints", "weight_paths", "formats") for p in (root / d).glob("*.py")]
+    # the tensor names the writers follow for a model transformers does not build (Spark-X2.5)
+    files += [root / "models" / "declared_layout.py", root / "models" / "spark_layout.py"]
     return files_sha256(files, root)[:16]
 
 

@@ -45,19 +45,17 @@ from typing import Any
 
 import torch
 
-from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, servable_structure
+from spark_edge.checkpoints.architecture import Role, Structure, architecture_of, declared_layout, servable_structure
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.errors import CheckpointError
 from spark_edge.formats import gptq_layout
 from spark_edge.formats.int4_sym import SCALE_DTYPE
-from spark_edge.models import spark_layout
 from spark_edge.registry import W4A8_GROUPS, w4a8_group
 
 REPORT_NAME = "quantization_report.json"
 LM_HEAD = "lm_head.weight"  # what vLLM's GPTQ loader reads the quantized head from
 QKV = ".self_attn.qkv_proj."
-FUSED_QKV = (QKV, spark_layout.QKV)
 GATE_UP = ".mlp.gate_up_proj."
 
 # vLLM's CPU GPTQ kernel needs K and N of every Linear to be multiples of 32
@@ -120,7 +118,9 @@ def _fused_parts(name: str, config: dict[str, Any]) -> list[tuple[str, int]] | N
     """(unfused name, rows) of a fused qkv / gate_up tensor vLLM loads by its parts; None if `name` is not
     fused, or vLLM's model for the architecture loads it fused."""
     kept = vllm_fused_modules(architecture_of(config))
-    fused = next((f for f in FUSED_QKV if f in name), None)
+    declared = declared_layout(config)  # a model's own fused name (Spark's q_k_v_proj), beside vLLM's usual one
+    fused_names = (QKV, declared.fused_qkv) if declared and declared.fused_qkv else (QKV,)
+    fused = next((f for f in fused_names if f in name), None)
     if fused is not None and "qkv_proj" in kept and fused == QKV:
         return None
     if GATE_UP in name and "gate_up_proj" in kept:
