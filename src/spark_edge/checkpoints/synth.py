@@ -318,7 +318,7 @@ def write_synthetic(name: str, out: Path, seed: int = 0, small: bool = False) ->
 
     # The default model lends its tokenizer and chat template. Its GGUF reader holds the vocabulary as ~0.2 GiB
     # of Python objects, and transformers' conversion reads it again: the source is dropped before the weights,
-    # and the tokenizer converted after them (peak 658 MiB measured on the AMD EPYC Zen 3 host, was 817).
+    # and the tokenizer converted after them (peak 658 MiB measured on an AMD EPYC host, was 817).
     default = GGUFSource(default_gguf())
     source_config, save_tokenizer = default.hf_config(), default.tokenizer_saver()
     del default

@@ -79,7 +79,7 @@ def _x86_choice(profile: DeviceProfile, priority: str) -> WeightPathChoice:
     return WeightPathChoice(
         "w4a16",
         "AVX2 without AVX-512: 4-bit weights with bf16 activations on spark-edge's AVX2 int4 kernels "
-        "(the suite runs on an AMD EPYC Zen 3)",
+        "(verified by forcing them on an AVX-512 host: ATEN_CPU_CAPABILITY=avx2)",
         verified=True,
         notes=_bf16_notes(profile),
     )
