@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from spark_edge import exit_codes
 from spark_edge.bench import command as bench_command
 from spark_edge.bench import peer_build
-from spark_edge.bench.peer_arms import Peer, llama_server_launch, parse_llama_bench
+from spark_edge.bench.peer_arms import Peer, llama_server_launch, parse_llama_bench, peer_perplexity
 from spark_edge.bench.runner import format_table, summarize
 from spark_edge.bench.server_arm import ArmResult
 from spark_edge.bench.streams import stream_completion
@@ -189,6 +189,30 @@ def test_ratios_against_the_peer_are_in_the_summary_and_the_table(offline_w4a16_
     assert "offline w4a16 (vLLM LLM, one process): tg128 33.0 tok/s (0.79x peer), 4 sequences 96.0 tok/s" in table
 
 
+def _fake_llama_perplexity(bin_dir: Path, script: str) -> Peer:
+    tool = bin_dir / "llama-perplexity"
+    tool.write_text(f"#!/bin/sh\n{script}\n")
+    tool.chmod(0o755)
+    ggufs = {q: bin_dir / f"m.{q}.gguf" for q in ("Q4_K_M", "BF16")}
+    return Peer(bin_dir, ggufs, threads=2, context=512, slots=1)
+
+
+def test_llama_cpps_own_q4_k_m_ratio_comes_from_llama_perplexity_and_reaches_the_table(tmp_path: Path) -> None:
+    # b11434 prints its result on stderr; the GGUF's name decides the figure here
+    script = 'case "$2" in *Q4_K_M*) p=28.2;; *) p=26.5;; esac; echo "Final estimate: PPL = $p +/- 0.4" >&2'
+    scored = peer_perplexity(_fake_llama_perplexity(tmp_path, script), tmp_path / "text", 512, 8)
+    assert scored == {"Q4_K_M": 28.2, "BF16": 26.5, "q4_k_m_ratio": round(28.2 / 26.5, 4)}
+    summary = summarize({"w4a16": [_result("w4a16", 22.0, 250.0)]}, baseline="w4a16")
+    summary["peer"] = {"arm": "llama.cpp", "llama_bench": {}, "perplexity": scored}
+    assert "llama-perplexity on the same text: Q4_K_M 28.200, BF16 26.500 (Q4_K_M x1.064" in format_table(summary)
+
+
+def test_a_llama_perplexity_that_fails_is_recorded_not_raised(tmp_path: Path) -> None:
+    peer = _fake_llama_perplexity(tmp_path, "echo 'failed to load model' >&2; exit 1")
+    scored = peer_perplexity(peer, tmp_path / "text", 512, 8)
+    assert scored == {"error": "llama-perplexity on m.Q4_K_M.gguf exited with 1: failed to load model"}
+
+
 @pytest.mark.peer
 def test_llama_cpp_built_here_serves_the_default_models_gguf_and_knows_paris(
     bf16_checkpoint: Path, spark_edge_home: Path, monkeypatch: pytest.MonkeyPatch
@@ -226,6 +250,10 @@ def test_llama_cpp_built_here_serves_the_default_models_gguf_and_knows_paris(
         assert " Paris" in top and top[" Paris"] >= -2.5, top
     finally:
         _stop(proc)
+    # the fidelity gate's second term, as the bench measures it: Q4_K_M over BF16, both from llama.cpp
+    text = Path("/usr/share/common-licenses/GPL-3")
+    scored = peer_perplexity(Peer(bin_dir, ggufs, threads=2, context=512, slots=1), text, 512, 2)
+    assert 1.0 < scored["q4_k_m_ratio"] < 1.3, scored
 
 
 def test_a_failed_offline_arm_reports_the_engines_own_error_line(tmp_path: Path) -> None:

@@ -252,31 +252,21 @@ def avx512_image(docker: None) -> str:
 _SMALLEST_LIMIT = """
 import json, os
 from pathlib import Path
-from spark_edge.planning.memory_plan import PlanRefused
 from spark_edge.planning.ceiling import OwnMemory, own_share
-from spark_edge.planning.serving_plan import model_config, resolve_plan, resolve_weight_path
+from spark_edge.planning.serving_plan import model_config, resolve_weight_path, smallest_ceiling
 from spark_edge.probe.device import probe_device
 from spark_edge.probe.memory import probe_memory
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT
 
 model = Path(os.environ["SPARK_EDGE_MODEL"])
 device = probe_device()
-choice = resolve_weight_path(device, "speed", os.environ.get("SPARK_EDGE_WEIGHT_PATH", "auto"))
-config = model_config(model)
-
-def plan(mib):
-    try:
-        return resolve_plan(device, choice, model, config, mib << 20, 2048, 4, DEFAULT_LAYOUT).plan
-    except PlanRefused:
-        return None
-
-lo, hi = 256, 8192
-while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (lo, mid) if plan(mid) else (mid, hi)
+choice = resolve_weight_path(device, "speed", os.environ.get("SPARK_EDGE_WEIGHT_PATH", "auto"), model)
+smallest = smallest_ceiling(device, choice, model, model_config(model), 2048, 4, DEFAULT_LAYOUT)
 own, memory = OwnMemory.now(), probe_memory(Path("/"))
 held = (memory.cgroup_used or 0) - own_share(memory, own)
-print(json.dumps({"ceiling_mib": hi, "held_mib": -(-max(0, held) // 2**20), **plan(hi).as_dict()}))
+print(json.dumps({
+    "ceiling_mib": smallest.ceiling.bytes >> 20, "held_mib": -(-max(0, held) // 2**20), **smallest.plan.as_dict()
+}))
 """
 EDGE_SLACK_MIB = 16  # as tests/test_server_lifecycle.py: on each side of the plan's edge
 
@@ -566,19 +556,24 @@ def test_amx_image_refuses_a_cpu_without_amx(amx_image: str, tmp_path: Path) -> 
         assert message.endswith(f"use {instead} instead"), message
 
 
-def test_amx_image_serves_w4a8_where_amx_is_usable(amx_image: str) -> None:
+def test_amx_image_serves_its_weight_path_where_amx_is_usable(amx_image: str) -> None:
     host = probe_device()
     baked = run_once(amx_image, ["/opt/spark-edge/baked-cache"], ["--entrypoint", "ls"]).stdout.split()
     if not image_fits("amx", host):
         # built here, on a CPU without AMX: not warmed, and it says so at start
         assert baked == ["NOT_WARMED"], baked
         pytest.skip("this host has no usable AMX: spark-edge:amx cannot serve here (its refusal is tested)")
-    assert baked == ["vllm-cache"], baked
+    assert baked == ["mapped-weights", "vllm-cache"], baked  # the weights are mapped from the image too
+    listed = {
+        folder: run_once(amx_image, [f"/opt/spark-edge/baked-cache/{folder}"], ["--entrypoint", "ls"]).stdout.split()
+        for folder in baked
+    }
+    assert listed["mapped-weights"] == listed["vllm-cache"] != [], listed
     with container(amx_image, READ_ONLY_ARGS) as c:
         c.wait_ready()
         assert complete(c.url).strip()
         text = c.metrics()
-        assert 'weight_path="w4a8"' in text and 'isa="amx"' in text
+        assert f'weight_path="{registry.image("amx").weight_path}"' in text and 'isa="amx"' in text
         assert metric(text, "spark_edge_compile_cache_hits_total") > 0
         assert metric_sum(text, "spark_edge_compile_cache_misses_total") == 0
         print(f"\nspark-edge:amx time to ready (baked cache): {c.ready_after_s:.1f} s")

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from spark_edge import exit_codes
 from spark_edge.checkpoints import synth
 from spark_edge.checkpoints.command import SYNTH_PRESETS
+from spark_edge.checkpoints.synthetic_marker import synthetic_origin
 from spark_edge.cli import main
 
 # published parameter counts (embedding counted once when tied)
@@ -50,7 +51,7 @@ def test_geometry_names_and_size_of_each_preset(name: str) -> None:
     assert any(n.endswith("q_proj.bias") for n in names) == preset.qkv_bias
     config = synth.hf_config(name, preset, 7, 1, 2)
     assert config["num_hidden_layers"] == preset.layers and config["vocab_size"] == preset.vocab
-    assert synth.synthetic_origin(config) == f"random weights shaped like {name} (seed 7)"
+    assert synthetic_origin(config) == f"random weights shaped like {name} (seed 7)"
 
 
 def test_weights_are_deterministic_by_seed_and_name() -> None:

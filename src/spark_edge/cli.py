@@ -168,7 +168,7 @@ def plan(
     from spark_edge.probe.device import probe_device
 
     device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
-    choice = resolve_weight_path(device, priority, weight_path)  # as serve's
+    choice = resolve_weight_path(device, priority, weight_path, model)  # as serve's
     try:
         config = model_config(model)
         asked = (memory_limit, max_model_len, max_num_seqs, process_layout)

@@ -53,8 +53,9 @@ SETTINGS: dict[str, Callable] = {
         default="auto",
         show_default=True,
         envvar=environment.WEIGHT_PATH.name,
-        help="auto: what a folder `spark-edge build` made was built for, else what `spark-edge probe` picks "
-        "for this host.",
+        help="auto: what a folder `spark-edge build` made was built for, else the fastest path the bench measured "
+        "within the fidelity gate on this host class and model shape (w4a16 where nothing was measured; "
+        "`spark-edge probe` tells for the default model).",
     ),
     "priority": setting(
         "--priority",
@@ -62,7 +63,7 @@ SETTINGS: dict[str, Callable] = {
         default="speed",
         show_default=True,
         envvar=environment.PRIORITY.name,
-        help="fidelity prefers bf16 activations (w4a16) over w4a8.",
+        help="fidelity: bf16 activations (w4a16) even where w4a8's int8 ones measured faster within the gate.",
     ),
     "host": setting(
         "--host",

@@ -177,7 +177,8 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
     "--fidelity/--no-fidelity",
     default=True,
     show_default=True,
-    help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text.",
+    help="Also score perplexity and teacher-forced top-1 agreement with the baseline on a license text (and, with "
+    "--peer, llama.cpp Q4_K_M's perplexity over its BF16's: the fidelity gate's second term).",
 )
 @click.option(
     "--served",
@@ -259,8 +260,11 @@ def bench(
             _log(peer_error)
     results = run_passes(arms, passes, home, log_dir, reps, _log, windows, served)
     summary = summarize(results, baseline=names[0], peer=peer if peer in arms else None)
+    if fidelity and peer in arms:
+        summary["peer"]["perplexity"] = _peer_perplexity(arms[peer])
     summary["model"] = str(model or "default")
     summary["host"] = host_line()
+    summary.update(_measured_model(arms[names[0]].checkpoint))
     if peer_error:
         summary["peer_error"] = peer_error
     if served:
@@ -270,3 +274,28 @@ def bench(
     click.echo(f"JSON: {out}; server logs: {log_dir}")
     if peer_error:
         raise PeerUnavailable(peer_error)  # after spark-edge's own arms were measured and written
+
+
+def _peer_perplexity(arm) -> dict:
+    from spark_edge.bench.fidelity import DEFAULT_TEXT, WINDOW, WINDOWS
+    from spark_edge.bench.peer_arms import peer_perplexity
+
+    _log("llama-perplexity: Q4_K_M and BF16 on the fidelity text")
+    return peer_perplexity(arm.peer, DEFAULT_TEXT, WINDOW, WINDOWS)
+
+
+def _measured_model(checkpoint: Path) -> dict:
+    """What scripts/measured_paths.py keys a run by: the host class and the model's shape, and whether its
+    weights are random (their perplexity says nothing of fidelity)."""
+    from spark_edge.checkpoints.synthetic_marker import synthetic_origin
+    from spark_edge.probe.device import probe_device
+    from spark_edge.probe.isa import isa_label
+    from spark_edge.probe.measured_paths import shape_key
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    measured = {"isa": isa_label(probe_device()), "synthetic": synthetic_origin(config) is not None}
+    try:
+        measured["model_shape"] = shape_key(config)
+    except (KeyError, TypeError, ValueError):  # a config without a text model's geometry: no shape to key by
+        pass
+    return measured

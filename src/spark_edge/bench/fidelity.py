@@ -16,6 +16,8 @@ from pathlib import Path
 import requests
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")  # ~8k tokens of plain English
+WINDOW = 512  # tokens per scored window
+WINDOWS = 8
 
 
 @dataclass
@@ -28,7 +30,9 @@ class Scored:
         return math.exp(-sum(self.logprobs) / len(self.logprobs))
 
 
-def text_chunks(checkpoint: Path, text_path: Path = DEFAULT_TEXT, chunk: int = 512, chunks: int = 8) -> list[list[int]]:
+def text_chunks(
+    checkpoint: Path, text_path: Path = DEFAULT_TEXT, chunk: int = WINDOW, chunks: int = WINDOWS
+) -> list[list[int]]:
     """Token ids of a plain English text, cut into equal windows."""
     from transformers import AutoTokenizer
 

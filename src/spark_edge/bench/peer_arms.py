@@ -3,12 +3,15 @@
 llama-server gets what spark-edge's server gets: the same threads (the usable cores), as many slots as
 `--max-num-seqs` and the same context per sequence, so the streams at 1/4/8 clients compare like with
 like. llama-bench's figures (pp512, tg128, same threads) are llama.cpp's own in-process measurement,
-reported beside the served ones for each GGUF.
+reported beside the served ones for each GGUF. llama-perplexity scores Q4_K_M and BF16 on the fidelity text:
+llama.cpp's own 4-bit cost on this model, the fidelity gate's second term (issue #36: within 0.01 of it where
+the source's own grid puts x1.06 out of reach).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ from pathlib import Path
 from spark_edge.bench.server_arm import ArmResult, Launch, free_port, measure_server
 
 LLAMA_BENCH_TIMEOUT_S = 1800
+PERPLEXITY_QUANTS = ("Q4_K_M", "BF16")  # the 4-bit format the gate compares with, over its own bf16
+_FINAL_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,36 @@ def run_peer_arm(
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
             result.llama_bench[quant] = {"error": str(exc)}
     return result
+
+
+def run_llama_perplexity(peer: Peer, gguf: Path, text: Path, window: int, windows: int) -> float:
+    """llama.cpp's perplexity of `text` in `windows` windows of `window` tokens (it scores each window's
+    second half, so its figure is its own scale: only its ratios between GGUFs are compared)."""
+    cmd = [
+        str(peer.bin_dir / "llama-perplexity"),
+        "-m",
+        str(gguf),
+        "-f",
+        str(text),
+        "-c",
+        str(window),
+        "--chunks",
+        str(windows),
+        "-t",
+        str(peer.threads),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S)
+    found = _FINAL_PPL.search(done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise RuntimeError(f"llama-perplexity on {gguf.name} {_exit_reason(done.returncode)}: {last}")
+    return float(found.group(1))
+
+
+def peer_perplexity(peer: Peer, text: Path, window: int, windows: int) -> dict:
+    """{GGUF: perplexity} for PERPLEXITY_QUANTS and `q4_k_m_ratio`, or {"error": why}."""
+    try:
+        scored = {q: run_llama_perplexity(peer, peer.ggufs[q], text, window, windows) for q in PERPLEXITY_QUANTS}
+    except (KeyError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)}
+    return {**scored, "q4_k_m_ratio": round(scored["Q4_K_M"] / scored["BF16"], 4)}

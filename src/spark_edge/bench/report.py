@@ -29,6 +29,15 @@ agreement.
 """
 
 
+def peer_perplexity_line(scored: dict) -> str:
+    if "error" in scored:
+        return f"llama-perplexity failed: {scored['error']}"
+    return (
+        f"llama-perplexity on the same text: Q4_K_M {scored['Q4_K_M']:.3f}, BF16 {scored['BF16']:.3f} "
+        f"(Q4_K_M x{scored['q4_k_m_ratio']:.3f} its BF16's)"
+    )
+
+
 def _cell(value: float | None, fmt: str = ".1f") -> str:
     return "-" if value is None else f"{value:{fmt}}"
 
@@ -104,6 +113,8 @@ def section(summary: dict, source: str) -> str:
                 else f"| {quant} | {f['pp512_tps']:.1f} ± {f['pp512_stddev_tps']:.1f} | "
                 f"{f['tg128_tps']:.1f} ± {f['tg128_stddev_tps']:.1f} |"
             )
+    if peer.get("perplexity"):
+        lines += ["", f"`{peer['arm']}`'s {peer_perplexity_line(peer['perplexity'])}."]
     if summary.get("peer_error"):
         lines += ["", f"The peer could not run: {summary['peer_error']}"]
     offline = summary.get("offline", {})

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spark_edge.bench.fidelity import top1_agreement
+from spark_edge.bench.report import peer_perplexity_line
 from spark_edge.bench.server_arm import ArmResult, run_arm
 
 if TYPE_CHECKING:
@@ -231,6 +232,8 @@ def format_table(summary: dict) -> str:
             f"{summary['peer']['arm']} llama-bench {quant}: {llama_bench_line(figures)}"
             for quant, figures in summary["peer"]["llama_bench"].items()
         )
+        if "perplexity" in summary["peer"]:
+            lines.append(f"{summary['peer']['arm']} {peer_perplexity_line(summary['peer']['perplexity'])}")
     passes = max(a["passes"] for a in summary["arms"].values())
     if passes < 2:
         lines.append("one pass only: not a result, a smoke run (spreads need two or more passes)")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from spark_edge.checkpoints.safetensors_stream import RowChunks, TensorSpec, write_safetensors
+from spark_edge.checkpoints.synthetic_marker import SYNTHETIC_KEY
 
-SYNTHETIC_KEY = "spark_edge_synthetic"
 BLOCK_ELEMENTS = 4 << 20  # 16 MiB of fp32 drawn at a time
 
 
@@ -346,11 +346,3 @@ def _write_config(out: Path, config: dict[str, Any]) -> Path:
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
-
-
-def synthetic_origin(config: dict[str, Any]) -> str | None:
-    """ "random weights shaped like NAME (seed S)" for a synthetic checkpoint's config, else None."""
-    marker = config.get(SYNTHETIC_KEY)
-    if not marker:
-        return None
-    return f"random weights shaped like {marker.get('like', '?')} (seed {marker.get('seed', '?')})"

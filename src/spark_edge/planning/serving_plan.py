@@ -1,8 +1,8 @@
 """What a server runs with, resolved once for `spark-edge serve` / `warm` (and so for the bench's arms and
 the images' warm-up, which run them) and for `spark-edge plan`.
 
-- resolve_weight_path: the path asked for (`auto`: the probe's choice for this host, with --priority),
-  refused where the host cannot run it.
+- resolve_weight_path: the path asked for (`auto`: the probe's choice for this host and this model's shape,
+  with --priority), refused where the host cannot run it.
 - resolve_plan: the weight path a built checkpoint records (else that choice), the ceiling a server started
   from this process would have (serving_ceiling: --memory-limit, or what the probe finds free plus what this
   process holds), and the memory plan on it: the group size the config records and this host's calibrated
@@ -25,9 +25,10 @@ from spark_edge.planning.calibration import calibrated_baseline
 from spark_edge.planning.ceiling import Ceiling, OwnMemory, serving_ceiling
 from spark_edge.planning.compile_state import COMPILER_TRANSIENT_BYTES, compile_cache_root, compile_key, is_compiled
 from spark_edge.planning.kv_dtype import fp8_problem
-from spark_edge.planning.memory_plan import MemoryPlan, PlanRefused, make_plan
+from spark_edge.planning.memory_plan import MemoryPlan, MiB, PlanRefused, make_plan
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.probe.device import DeviceProfile
+from spark_edge.probe.measured_paths import evidence
 from spark_edge.probe.weight_path_choice import WeightPathChoice, select_weight_path
 from spark_edge.runtime.compile_cache import cache_stamp
 
@@ -101,9 +102,23 @@ def _auto_kv_plan(plan_for: Callable[[str], MemoryPlan], fp8_runs: bool) -> Memo
     return fp8 if fp8.max_model_len > bf16.max_model_len else bf16
 
 
-def resolve_weight_path(device: DeviceProfile, priority: str, setting: str) -> WeightPathChoice:
-    """`setting`: --weight-path, `auto` or a path's name. Raises UnsupportedHostError."""
-    return select_weight_path(device, priority, None if setting == "auto" else setting)
+def resolve_weight_path(device: DeviceProfile, priority: str, setting: str, model: Path | None) -> WeightPathChoice:
+    """`setting`: --weight-path, `auto` or a path's name; `model`: what was asked for (None: the default model),
+    whose shape decides where the bench measured paths apart (measured_paths.py). Raises UnsupportedHostError."""
+    return select_weight_path(
+        device, priority, None if setting == "auto" else setting, lambda isa: evidence(isa, shape_config(model))
+    )
+
+
+def shape_config(model: Path | None) -> dict:
+    """`model`'s config, from a checkpoint already built from it in the data folder where there is one (a build
+    keeps its source's geometry; parsing a GGUF takes seconds a warm start does not have)."""
+    if model is None or not (Path(model) / "config.json").is_file():
+        for path in registry.WEIGHT_PATHS:
+            built = checkpoint_dir(model_id(model), path) / "config.json"
+            if built.is_file():
+                return json.loads(built.read_text())
+    return model_config(model)
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,40 @@ def resolve_plan(
 
     plan = serving_plan(device, config, path, ceiling, max_model_len, max_num_seqs, layout, kv_dtype, compiled)
     return ResolvedPlan(path, ceiling, plan)
+
+
+def smallest_ceiling(
+    device: DeviceProfile,
+    choice: WeightPathChoice,
+    model: Path | None,
+    config: dict,
+    max_model_len: int,
+    max_num_seqs: int,
+    layout: str,
+    lowest: int = 256 * MiB,
+    highest: int = 8192 * MiB,
+) -> ResolvedPlan:
+    """The plan at the smallest ceiling, to the MiB, under which resolve_plan accepts these options: the
+    memory limit the plan promises to hold. Raises PlanRefused when even `highest` is refused."""
+
+    def plan(mib: int) -> ResolvedPlan | None:
+        try:
+            return resolve_plan(device, choice, model, config, mib * MiB, max_model_len, max_num_seqs, layout)
+        except PlanRefused:
+            return None
+
+    lo, hi = lowest // MiB, highest // MiB  # the invariant: refused at lo, accepted at hi
+    accepted = plan(hi)
+    if accepted is None:
+        resolve_plan(device, choice, model, config, highest, max_model_len, max_num_seqs, layout)  # raises
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (found := plan(mid)) is not None:
+            hi, accepted = mid, found
+        else:
+            lo = mid
+    assert accepted is not None
+    return accepted
 
 
 def plan_compile_key(checkpoint: Path, plan: MemoryPlan) -> str:

@@ -9,6 +9,7 @@ import click
 
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.device import DeviceProfile, probe_device
+from spark_edge.probe.measured_paths import Evidence, evidence
 from spark_edge.probe.weight_path_choice import PRIORITIES, WEIGHT_PATHS, WeightPathChoice, select_weight_path
 
 JSON_VERSION = 1  # bump when a key of `probe --json` changes meaning or disappears
@@ -34,12 +35,12 @@ JSON_VERSION = 1  # bump when a key of `probe --json` changes meaning or disappe
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), hidden=True)
 @click.option("--machine", default=None, hidden=True)
 def probe(as_json: bool, priority: str, weight_path: str | None, root: Path, machine: str | None) -> None:
-    """Show what this machine offers vLLM and which weight path fits it."""
+    """Show what this machine offers vLLM and which weight path fits it (for the default model)."""
     if machine is None and root.resolve() != Path("/"):
         raise click.UsageError("--root needs --machine (the architecture of the process that will serve)")
     profile = probe_device(root, machine)
     try:
-        choice: WeightPathChoice | None = select_weight_path(profile, priority, weight_path)
+        choice: WeightPathChoice | None = select_weight_path(profile, priority, weight_path, _default_model_evidence)
         error = None
     except UnsupportedHostError as exc:
         choice, error = None, str(exc)
@@ -49,6 +50,13 @@ def probe(as_json: bool, priority: str, weight_path: str | None, root: Path, mac
         click.echo(_table(profile, choice))
     if error is not None:
         raise UnsupportedHostError(error)  # after the table: what the host has, then why it is refused
+
+
+def _default_model_evidence(isa: str) -> Evidence | None:
+    """What the bench measured on this host class for the default model's shape (`serve` asks for its model)."""
+    from spark_edge.checkpoints.sources import open_source
+
+    return evidence(isa, open_source(None).hf_config())
 
 
 def _as_json(profile: DeviceProfile, priority: str, choice: WeightPathChoice | None, error: str | None) -> dict:

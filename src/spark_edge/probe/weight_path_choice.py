@@ -1,26 +1,28 @@
 """Which weight path a host should serve, and why.
 
-- x86-64 with AMX int8 usable: w4a8 (vLLM's AMX kernel, int8 activations) for speed;
-  w4a16 for fidelity, which keeps bf16 activations at some decode speed. Measured side by side on a
-  Xeon AMX host (docs/benchmarks.md): on a 1.7B shape w4a8 decodes 1.16x and serves 4 streams 1.18x
-  w4a16, which prefills 1.18x w4a8; on the default model w4a16 decodes 1.12x w4a8 and w4a8 serves 4
-  streams 1.21x; w4a8's perplexity is x1.571 bf16's there against w4a16's x1.061. Decode of the
-  mission's 1-2 B models decides the speed default.
+- x86-64 with AMX int8 usable: w4a16 or w4a8 (vLLM's AMX kernel, int8 activations), whichever the bench
+  measured faster on this host class and this model's shape among those within the fidelity gate
+  (measured_paths.py); where neither was measured on this shape, w4a16: int8 activations failed the gate
+  where they were scored (the default model, x1.571 bf16's perplexity). `--priority fidelity`: w4a16.
 - x86-64 with AVX-512 or AVX2: w4a16.
 - arm64 with NEON: w4a16, unverified: no spark-edge path has run on real ARM hardware yet.
-- An explicit weight path wins, unless the host cannot run it.
+- An explicit weight path wins, unless the host cannot run it; a note says when it failed the gate.
 
 `verified` says whether the path has been run on this class of CPU, not whether it will load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from spark_edge import registry
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.probe.isa import amx_missing_reason, amx_w4a8_ready, bf16_native, has_avx512, host_problem
+from spark_edge.probe.isa import amx_missing_reason, amx_w4a8_ready, bf16_native, has_avx512, host_problem, isa_label
+from spark_edge.probe.measured_paths import Evidence
+
+EvidenceFor = Callable[[str], "Evidence | None"]  # host class -> what was measured there for the model asked for
 
 WEIGHT_PATHS = tuple(registry.WEIGHT_PATHS)
 PRIORITIES = ("speed", "fidelity")
@@ -35,9 +37,13 @@ class WeightPathChoice:
 
 
 def select_weight_path(
-    profile: DeviceProfile, priority: str = "speed", explicit: str | None = None
+    profile: DeviceProfile,
+    priority: str = "speed",
+    explicit: str | None = None,
+    measured: EvidenceFor = lambda isa: None,
 ) -> WeightPathChoice:
-    """Raises UnsupportedHostError when the host cannot run vLLM, or cannot run `explicit`."""
+    """Raises UnsupportedHostError when the host cannot run vLLM, or cannot run `explicit`. `measured` is asked
+    only where the host runs more than one 4-bit path at its own kernels (reading a model's config costs time)."""
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
     if explicit is not None and explicit not in WEIGHT_PATHS:
@@ -46,28 +52,35 @@ def select_weight_path(
     if problem is not None:
         raise UnsupportedHostError(problem)
     if explicit is not None:
-        return _explicit(profile, explicit)
+        choice = _explicit(profile, explicit)
+        if amx_w4a8_ready(profile) and (found := measured(isa_label(profile))):
+            if problem := found.gate_problem(explicit):
+                return WeightPathChoice(choice.name, choice.reason, choice.verified, (problem, *choice.notes))
+        return choice
     if profile.machine == "aarch64":
         return _arm_w4a16(profile, "arm64 with NEON: the 4-bit weight path with bf16 activations")
-    return _x86_choice(profile, priority)
+    return _x86_choice(profile, priority, measured)
 
 
-def _x86_choice(profile: DeviceProfile, priority: str) -> WeightPathChoice:
+AMX_CANDIDATES = ("w4a16", "w4a8")  # the 4-bit paths an AMX host runs at their own kernels
+
+
+def _x86_choice(profile: DeviceProfile, priority: str, measured: EvidenceFor) -> WeightPathChoice:
     if amx_w4a8_ready(profile):
-        if priority == "speed":
-            return WeightPathChoice(
-                "w4a8",
-                "AMX int8 tiles are usable: vLLM's AMX kernel multiplies 4-bit weights with int8 "
-                "activations, the fastest decode on this CPU for 1-2 B models (w4a16 prefills faster and keeps "
-                "closer to bf16: --priority fidelity)",
-                verified=True,
-                notes=_bf16_notes(profile),
-            )
+        notes = _bf16_notes(profile)
+        if priority == "fidelity":
+            return WeightPathChoice("w4a16", "fidelity priority: bf16 activations, not int8", True, notes)
+        found = measured(isa_label(profile))
+        picked = found.pick(AMX_CANDIDATES) if found else None
+        if picked:
+            return WeightPathChoice(picked[0], f"AMX host, {picked[1]}", verified=True, notes=notes)
         return WeightPathChoice(
             "w4a16",
-            "fidelity priority: bf16 activations instead of int8 (w4a8 would decode faster on this AMX CPU)",
+            "AMX host: w4a16 and w4a8 were not both measured on this model shape here, and int8 activations "
+            "failed the fidelity gate where they were scored (`spark-edge bench --paths bf16,w4a16,w4a8` on this "
+            "model measures them; scripts/measured_paths.py records it)",
             verified=True,
-            notes=_bf16_notes(profile),
+            notes=notes,
         )
     if has_avx512(profile):
         return WeightPathChoice(

@@ -19,7 +19,7 @@ import click
 from spark_edge import __version__
 from spark_edge.checkpoints.chat_template import missing_template_note
 from spark_edge.checkpoints.served import ServedCheckpoint
-from spark_edge.checkpoints.synth import synthetic_origin
+from spark_edge.checkpoints.synthetic_marker import synthetic_origin
 from spark_edge.environment import IMAGE_ISA, MAX_REQUEST_BYTES, RUN_DIR, STUCK_STEP_TIMEOUT
 from spark_edge.errors import UnsupportedHostError
 from spark_edge.formats.cpu_int4_tensors import check_cpu_int4_tensors
@@ -205,7 +205,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         device = probe_device()
         own = OwnMemory.now()  # at the moment the cgroup's usage was read
         _refuse_wrong_image(device)
-        choice = resolve_weight_path(device, req.priority, req.weight_path)
+        choice = resolve_weight_path(device, req.priority, req.weight_path, req.model)
     with phases.phase("checkpoint"):
         served = checkpoint_for_serving(req.model, choice.name, log)
         check_cpu_int4_tensors(served.folder, served.config)
