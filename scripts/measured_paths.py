@@ -2,8 +2,9 @@
 
 For each host class and model shape, the newest run in docs/bench-runs/ (names lead with their date) that
 measured two or more 4-bit weight paths side by side: each path's served decode (tg128, best pass) and, where
-the run scored fidelity on real weights with a bf16 arm, its perplexity over bf16's, and the fidelity gate
-that run's llama-perplexity of Q4_K_M gives (x1.06 where it has none). Only runs that carry
+the run scored fidelity on real weights with a bf16 arm, its perplexity over bf16's; and the fidelity gate
+that the newest run with llama-perplexity of Q4_K_M on that host class and shape gives (x1.06 where none has;
+a run of the peer's perplexity alone need not measure the paths' speeds again). Only runs that carry
 `isa` and `model_shape` (written by `spark-edge bench` since they existed) count; speeds are never compared
 across runs.
 
@@ -33,12 +34,23 @@ def _perplexity_ratio(run: dict, arm: dict) -> float | None:
     return round(arm["perplexity"] / bf16, 4)
 
 
+def _peer_ratios(runs: list[dict]) -> dict[tuple[str, str], float]:
+    """The newest llama.cpp Q4_K_M perplexity ratio per host class and shape, from runs on real weights."""
+    ratios = {}
+    for run in runs:
+        ratio = run.get("peer", {}).get("perplexity", {}).get("q4_k_m_ratio")
+        if ratio is not None and not run.get("synthetic"):
+            ratios[(run["isa"], run["model_shape"])] = ratio
+    return ratios
+
+
 def table_rows(runs: Path = RUNS) -> list[dict]:
+    keyed = [json.loads(f.read_text()) | {"_file": f.name} for f in sorted(runs.glob("*.json"))]
+    keyed = [run for run in keyed if "model_shape" in run]
+    peer_ratios = _peer_ratios(keyed)
     newest: dict[tuple[str, str], dict] = {}
-    for file in sorted(runs.glob("*.json")):
-        run = json.loads(file.read_text())
-        if "model_shape" not in run:
-            continue
+    for run in keyed:
+        file_name = run["_file"]
         arms = {p: run["arms"][p] for p in FOUR_BIT if run["arms"].get(p, {}).get("tg128_tps")}
         if len(arms) < 2:
             continue
@@ -46,15 +58,15 @@ def table_rows(runs: Path = RUNS) -> list[dict]:
             name: {
                 "tg128_tps": round(arm["tg128_tps"]["best"], 1),
                 "perplexity_ratio": _perplexity_ratio(run, arm),
-                "run": file.name,
+                "run": file_name,
             }
             for name, arm in arms.items()
         }
-        peer_ratio = run.get("peer", {}).get("perplexity", {}).get("q4_k_m_ratio")
-        newest[(run["isa"], run["model_shape"])] = {
+        key = (run["isa"], run["model_shape"])
+        newest[key] = {
             "isa": run["isa"],
             "shape": run["model_shape"],
-            "gate": fidelity_gate(None if run.get("synthetic") else peer_ratio),
+            "gate": fidelity_gate(None if run.get("synthetic") else peer_ratios.get(key)),
             "paths": paths,
         }
     return [newest[key] for key in sorted(newest)]

@@ -124,6 +124,7 @@ def test_the_table_keeps_the_newest_side_by_side_run_per_host_class_and_shape(tm
             {"w4a16": _arm(14.6, 4e4), "w4a8": _arm(17.0, 4e4)}, True, "B", peer_ratio=1.2
         ),
         "2026-12-04-old.json": {"arms": {"w4a16": _arm(1), "w4a8": _arm(2)}},  # no isa or shape: ignored
+        "2026-12-05-peer-only.json": _run({"bf16": _arm(40, 25.0)}, peer_ratio=1.044),  # the gate, not speeds
     }
     for name, run in runs.items():
         (tmp_path / name).write_text(json.dumps(run))
@@ -132,7 +133,7 @@ def test_the_table_keeps_the_newest_side_by_side_run_per_host_class_and_shape(tm
     assert rows["S"]["paths"]["w4a8"]["perplexity_ratio"] == 1.572
     synthetic = {"tg128_tps": 17.0, "perplexity_ratio": None, "run": "2026-12-03-synthetic.json"}
     assert rows["B"]["paths"]["w4a8"] == synthetic
-    assert rows["S"]["gate"] == 1.073  # the newest run's llama-perplexity ratio + 0.01
+    assert rows["S"]["gate"] == 1.06  # the newest llama-perplexity ratio (+ 0.01 = 1.054), from a run of its own
     assert rows["B"]["gate"] == 1.06  # random weights: their peer ratio says nothing
 
 
