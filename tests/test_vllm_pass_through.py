@@ -28,6 +28,7 @@ DECIDED = layout_env(DEFAULT_LAYOUT)
         (("--kv-cache-memory-bytes", "1000000"), ("--kv-cache-memory-bytes", "--memory-limit")),
         (("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "use spark-edge serve --kv-cache-dtype")),
         (("-q", "awq"), ("--quantization", "--weight-path")),
+        (("--speculative-config", '{"method":"ngram"}'), ("--speculative-config", "--speculation")),
         (("--dtype", "bfloat16"), ("--dtype", "--weight-path")),  # even the value spark-edge would pass
         (("--port", "9000"), ("--port", "spark-edge serve --port")),
         (("--api-key", "k"), ("--api-key", "--api-key-file")),

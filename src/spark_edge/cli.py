@@ -159,12 +159,14 @@ def plan(
     memory_limit: int | None,
     kv_cache_dtype: str,
     process_layout: str,
+    speculation: str,
     as_json: bool,
 ) -> None:
     """Predict load peak and steady anonymous RSS, and the context that fits: the plan `serve` runs with
     (the same options and SPARK_EDGE_* variables)."""
     from spark_edge.planning.memory_plan import PlanRefused
     from spark_edge.planning.serving_plan import model_config, resolve_plan, resolve_weight_path
+    from spark_edge.planning.speculation import draft_tokens
     from spark_edge.probe.device import probe_device
 
     device = probe_device()  # a host or model refused here: the command group's exit codes (spark_edge.errors)
@@ -172,7 +174,8 @@ def plan(
     try:
         config = model_config(model)
         asked = (memory_limit, max_model_len, max_num_seqs, process_layout)
-        result = resolve_plan(device, choice, model, config, *asked, kv_dtype=kv_cache_dtype).plan
+        drafts = draft_tokens(speculation)
+        result = resolve_plan(device, choice, model, config, *asked, kv_dtype=kv_cache_dtype, draft_tokens=drafts).plan
     except PlanRefused as exc:
         if as_json:
             click.echo(json.dumps({"fits": False, "error": str(exc), **exc.plan.as_dict()}, indent=2))

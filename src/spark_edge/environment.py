@@ -54,6 +54,7 @@ API_KEY_FILE = _setting("api_key_file")
 SHUTDOWN_TIMEOUT = _setting("shutdown_timeout")
 MAX_REQUEST_BYTES = _setting("max_request_bytes")  # also read by the body-limit middleware, serve sets it
 KV_CACHE_DTYPE = _setting("kv_cache_dtype")
+SPECULATION = _setting("speculation")
 # single layout: a step that has not returned after this many seconds (serve exports --stuck-step-timeout to its
 # own environment, the engine watchdog reads it) is a stuck engine, and the server exits 7 as if its engine process
 # had died. The longest honest step is a prefill chunk: 512 tokens of a 2B model on a host without bf16 hardware.

@@ -16,6 +16,7 @@ import click
 from spark_edge import environment, weight_paths
 from spark_edge.planning.kv_dtype import KV_DTYPES
 from spark_edge.planning.memory_plan import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS
+from spark_edge.planning.speculation import DRAFT_TOKENS, MAX_SPECULATING_SEQS, SPECULATION
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, DEFAULT_STUCK_STEP_S, LAYOUTS
 from spark_edge.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
@@ -30,6 +31,7 @@ PLAN_SETTINGS = (
     "memory_limit",
     "kv_cache_dtype",
     "process_layout",
+    "speculation",
 )
 
 
@@ -141,6 +143,16 @@ SETTINGS: dict[str, Callable] = {
         envvar=environment.KV_CACHE_DTYPE.name,
         help="The KV cache's dtype. auto: bf16, or fp8 where only fp8 fits the context asked for (said at "
         "start); fp8 halves the KV cache and needs AVX-512 or AMX and a head size that is a multiple of 32.",
+    ),
+    "speculation": setting(
+        "--speculation",
+        type=click.Choice(SPECULATION),
+        default="off",
+        show_default=True,
+        envvar=environment.SPECULATION.name,
+        help=f"ngram: up to {DRAFT_TOKENS} draft tokens a step looked up in the request's own text (vLLM's "
+        f"prompt-lookup speculation) while at most {MAX_SPECULATING_SEQS} requests decode, verified by the model: "
+        "the same greedy output, faster where the answer repeats its prompt (extraction, RAG, edits).",
     ),
     "stuck_step_timeout": setting(
         "--stuck-step-timeout",

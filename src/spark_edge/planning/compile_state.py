@@ -38,10 +38,18 @@ def compile_cache_root(weight_path: str) -> Path:
 
 
 def compile_key(
-    checkpoint: str, weight_path: str, max_model_len: int, max_num_seqs: int, prefill_chunk: int, kv_dtype: str
+    checkpoint: str,
+    weight_path: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    prefill_chunk: int,
+    kv_dtype: str,
+    draft_tokens: int = 0,
 ) -> str:
     """What makes vLLM compile anew, of what spark-edge decides (`checkpoint`: the folder vLLM loads)."""
     parts = [checkpoint, weight_path, max_model_len, max_num_seqs, prefill_chunk, kv_dtype]
+    if draft_tokens:  # appended only when on: the keys recorded before speculation existed stay valid
+        parts.append(draft_tokens)
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from spark_edge import exit_codes
 from spark_edge.errors import SparkEdgeError
+from spark_edge.planning import speculation
 from spark_edge.planning.kv_dtype import KV_DTYPE_BYTES
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
@@ -111,6 +112,7 @@ class MemoryPlan:
     requested_max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    draft_tokens: int = 0  # n-gram speculation's drafts a sequence a step (planning/speculation.py)
 
     @property
     def steady_bytes(self) -> int:
@@ -182,6 +184,8 @@ class MemoryPlan:
         ctx += f", prefill chunk {self.max_num_batched_tokens} tokens"
         if self.reduced_prefill_chunk:
             ctx += f" (reduced from {PREFILL_CHUNK_TOKENS} to fit)"
+        if self.draft_tokens:
+            ctx += f", n-gram speculation up to {self.draft_tokens} drafts a sequence a step"
         return (
             f"{self.weight_path}: peak {mib(self.peak_bytes)}, steady {mib(self.steady_bytes)} "
             f"(baseline {mib(self.baseline_bytes)} + weights {mib(self.weights_bytes)} file-backed + KV "
@@ -242,6 +246,7 @@ def _plan(
     batched: int,
     compile_transient: int,
     kv_dtype: str,
+    draft_tokens: int,
 ) -> MemoryPlan:
     weights = resident_weight_bytes(shape, weight_path, group)
     return MemoryPlan(
@@ -262,16 +267,18 @@ def _plan(
         requested_max_model_len=requested,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
+        draft_tokens=draft_tokens,
     )
 
 
-def _prefill_chunks(max_num_seqs: int) -> list[int]:
-    """PREFILL_CHUNK_TOKENS halved down to MIN_PREFILL_CHUNK (vLLM wants at least one token per sequence)."""
+def _prefill_chunks(step_tokens: int) -> list[int]:
+    """PREFILL_CHUNK_TOKENS halved down to MIN_PREFILL_CHUNK; `step_tokens`: the most one decode step carries
+    (vLLM wants room for one token a sequence, and reserves speculation's drafts out of the chunk besides)."""
     chunks, chunk = [], PREFILL_CHUNK_TOKENS
-    while chunk >= max(MIN_PREFILL_CHUNK, max_num_seqs):
+    while chunk >= max(MIN_PREFILL_CHUNK, step_tokens):
         chunks.append(chunk)
         chunk //= 2
-    return chunks or [max_num_seqs]
+    return chunks or [step_tokens]
 
 
 def make_plan(
@@ -285,18 +292,20 @@ def make_plan(
     calibrated_baseline: int | None = None,
     compile_transient: int = 0,
     kv_dtype: str = "bf16",
+    draft_tokens: int = 0,
 ) -> MemoryPlan:
     """The largest KV cache and context (up to what was asked) that fit; raises PlanRefused.
 
     `calibrated_baseline`: this host's measured runtime baseline (planning/calibration.py); the plan
     takes the larger of it and the constant. `compile_transient`: what compiling adds to the load peak
-    when this start compiles (planning/compile_state.py); `kv_dtype`: "bf16" or "fp8"."""
-    baseline = max(RUNTIME_BASELINE_BYTES[layout], calibrated_baseline or 0)
+    when this start compiles (planning/compile_state.py); `kv_dtype`: "bf16" or "fp8"; `draft_tokens`: n-gram
+    speculation's drafts a sequence a step (planning/speculation.py), whose runtime the baseline counts."""
+    baseline = max(RUNTIME_BASELINE_BYTES[layout], calibrated_baseline or 0) + speculation.runtime_bytes(draft_tokens)
     context = max_model_len
     while True:
         # KV for every sequence at full length, down to one full-length sequence
         for seqs in range(max_num_seqs, 0, -1):
-            for batched in _prefill_chunks(max_num_seqs):  # a smaller chunk first: it costs the least
+            for batched in _prefill_chunks(max_num_seqs * (1 + draft_tokens)):
                 plan = _plan(
                     shape,
                     weight_path,
@@ -310,6 +319,7 @@ def make_plan(
                     batched,
                     compile_transient,
                     kv_dtype,
+                    draft_tokens,
                 )
                 if plan.fits:
                     return plan

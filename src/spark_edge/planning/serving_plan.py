@@ -51,11 +51,12 @@ def serving_plan(
     layout: str,
     kv_dtype: str = "bf16",
     compiled: Callable[[MemoryPlan], bool] = lambda plan: False,
+    draft_tokens: int = 0,
 ) -> MemoryPlan:
     """Raises PlanRefused, its message led by where the ceiling came from, or SettingRefused /
     UnsupportedHostError for an fp8 KV cache this model or host cannot run. `kv_dtype`: auto, bf16 or fp8
     (kv_dtype.py). `compiled`: whether the cache holds a plan's graph; a plan whose graph it does not hold
-    counts the compiler."""
+    counts the compiler. `draft_tokens`: speculation's per sequence and step (speculation.py)."""
     shape = ModelShape.from_config(config)
     baseline = calibrated_baseline(sorted(device.features), weight_path, layout)
     group = quant_group(config, weight_path, shape)
@@ -64,7 +65,7 @@ def serving_plan(
         def plan(compile_transient: int) -> MemoryPlan:
             return make_plan(
                 shape, weight_path, ceiling.bytes, max_model_len, max_num_seqs, group, layout, baseline,
-                compile_transient, kv,
+                compile_transient, kv, draft_tokens,
             )  # fmt: skip
 
         warm = plan(0)
@@ -140,6 +141,7 @@ def resolve_plan(
     own: OwnMemory | None = None,
     kv_dtype: str = "auto",
     kind: CheckpointKind | None = None,
+    draft_tokens: int = 0,
 ) -> ResolvedPlan:
     """`model`: what was asked for, or the checkpoint built from it; `config`: its config.json. Raises
     PlanRefused. `own`: this process's memory when the probe read the cgroup (default: now)."""
@@ -152,7 +154,9 @@ def resolve_plan(
     def compiled(plan: MemoryPlan) -> bool:
         return is_compiled(root, stamp, plan_compile_key(served, plan))
 
-    plan = serving_plan(device, config, path, ceiling, max_model_len, max_num_seqs, layout, kv_dtype, compiled)
+    plan = serving_plan(
+        device, config, path, ceiling, max_model_len, max_num_seqs, layout, kv_dtype, compiled, draft_tokens
+    )
     return ResolvedPlan(path, ceiling, plan)
 
 
@@ -194,7 +198,7 @@ def plan_compile_key(checkpoint: Path, plan: MemoryPlan) -> str:
     """The compile key of a server of `checkpoint` (the folder vLLM loads) run with `plan`."""
     folder = str(checkpoint.expanduser().absolute())
     decided = (plan.max_model_len, plan.max_num_seqs, plan.max_num_batched_tokens, plan.kv_cache_dtype)
-    return compile_key(folder, plan.weight_path, *decided)
+    return compile_key(folder, plan.weight_path, *decided, plan.draft_tokens)
 
 
 def model_config(model: Path | None) -> dict:

@@ -34,6 +34,7 @@ DECIDED_BY_SPARK_EDGE: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": (_MEMORY_PLAN, "--memory-limit"),
     "num_gpu_blocks_override": (_MEMORY_PLAN, "--memory-limit"),
     "kv_cache_dtype": (_MEMORY_PLAN + " for the KV cache's dtype", "--kv-cache-dtype"),
+    "speculative_config": (_MEMORY_PLAN + " with room for the drafts", "--speculation"),
     "dtype": ("the weight path decides it", "--weight-path"),
     "quantization": ("the weight path decides it", "--weight-path"),
     "host": ("spark-edge's health checks use it", "--host"),

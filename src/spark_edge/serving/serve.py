@@ -36,6 +36,7 @@ from spark_edge.planning.compile_state import compile_cache_root, record_compile
 from spark_edge.planning.kv_dtype import VLLM_KV_DTYPE
 from spark_edge.planning.memory_plan import PREFILL_CHUNK_TOKENS, MemoryPlan
 from spark_edge.planning.serving_plan import plan_compile_key, resolve_plan, resolve_weight_path
+from spark_edge.planning.speculation import draft_tokens, vllm_speculative_config
 from spark_edge.probe.device import DeviceProfile, probe_device
 from spark_edge.probe.images import image_isa_problem
 from spark_edge.probe.isa import isa_label
@@ -72,6 +73,7 @@ class ServeRequest:
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT_S
     process_layout: str = DEFAULT_LAYOUT
     kv_cache_dtype: str = "auto"
+    speculation: str = "off"  # planning/speculation.py
     stuck_step_timeout: int = DEFAULT_STUCK_STEP_S
     max_request_bytes: int = request_limits.DEFAULT_MAX_REQUEST_BYTES
     vllm_args: tuple[str, ...] = ()  # vLLM's own options, after spark-edge's (serving/passthrough.py)
@@ -131,6 +133,7 @@ def vllm_argv(req: ServeRequest, served: ServedCheckpoint, plan: MemoryPlan) -> 
         f"--middleware={request_limits.MIDDLEWARE}",  # 413 before a body over the limit is read
         *layout_args(req.process_layout),
         *(["--quantization", method] if method else []),
+        *(["--speculative-config", spec] if (spec := vllm_speculative_config(req.speculation)) else []),
         *req.vllm_args,  # what spark-edge decides was refused before (passthrough.py); the rest goes as given
     ]  # fmt: skip
 
@@ -226,6 +229,7 @@ def prepare(req: ServeRequest, log: Callable[[str], None]) -> Prepared:
         own,
         req.kv_cache_dtype,
         served.kind,
+        draft_tokens(req.speculation),
     )
     path, plan, ceiling = resolved.weight_path, resolved.plan, resolved.ceiling
     return Prepared(
