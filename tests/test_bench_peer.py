@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from spark_edge import exit_codes
 from spark_edge.bench import command as bench_command
 from spark_edge.bench import peer_build
 from spark_edge.bench.peer_arms import Peer, llama_server_launch, parse_llama_bench, peer_perplexity
-from spark_edge.bench.runner import format_table, summarize
+from spark_edge.bench.runner import Arm, format_table, summarize
 from spark_edge.bench.server_arm import ArmResult
 from spark_edge.bench.streams import stream_completion
 from spark_edge.cli import main
@@ -79,6 +80,16 @@ def test_llama_server_gets_the_threads_slots_and_context_spark_edge_gets(tmp_pat
     assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-np") + 1] == "4"
     assert cmd[cmd.index("-c") + 1] == "8192"  # llama-server divides -c among its slots
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--metrics" in cmd
+
+
+def test_an_arm_that_speculates_brings_llama_servers_lookup_decoding_beside_it(tmp_path: Path) -> None:
+    peer = Peer(tmp_path, {"Q4_K_M": tmp_path / "m.Q4_K_M.gguf"}, threads=2, context=2048, slots=4)
+    plain = Arm(tmp_path, 100, peer=peer)
+    lookup = bench_command._peer_lookup_arm(plain)
+    assert lookup.peer is not None and not lookup.peer.llama_bench and plain.peer.llama_bench  # llama-bench once
+    env = llama_server_launch(lookup.peer, 8123, lookup.env).env
+    assert env["LLAMA_ARG_SPEC_TYPE"] == "ngram-simple" and env["PATH"] == os.environ["PATH"]  # over the bench's own
+    assert bench_command.parse_arm("w4a16+ngram")[2] == {"SPARK_EDGE_SPECULATION": "ngram"}
 
 
 def test_native_build_except_on_amx_hosts_where_ggml_amx_is_left_out() -> None:

@@ -16,7 +16,7 @@ import click
 from spark_edge import weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
 from spark_edge.bench.peer_build import PEERS
-from spark_edge.environment import DISABLED_KERNELS, KV_CACHE_DTYPE
+from spark_edge.environment import DISABLED_KERNELS, KV_CACHE_DTYPE, SPECULATION
 from spark_edge.errors import PeerUnavailable
 from spark_edge.runtime import allocator
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
@@ -51,6 +51,8 @@ VARIANTS = {
     "cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"},
     # the KV cache in fp8 (e4m3) instead of bf16: its fidelity and speed against the same path's bf16 KV
     "fp8kv": {KV_CACHE_DTYPE.name: "fp8"},
+    # n-gram speculation (planning/speculation.py): the grounded workload is where it should pay
+    "ngram": {SPECULATION.name: "ngram"},
 }
 
 
@@ -258,6 +260,9 @@ def bench(
         except PeerUnavailable as exc:  # the spark-edge arms are still measured
             peer_error = str(exc)
             _log(peer_error)
+        else:
+            if any(env.get(SPECULATION.name) == "ngram" for _, _, env in specs.values()):
+                arms[f"{peer}+lookup"] = _peer_lookup_arm(arms[peer])
     results = run_passes(arms, passes, home, log_dir, reps, _log, windows, served)
     summary = summarize(results, baseline=names[0], peer=peer if peer in arms else None)
     if fidelity and peer in arms:
@@ -274,6 +279,16 @@ def bench(
     click.echo(f"JSON: {out}; server logs: {log_dir}")
     if peer_error:
         raise PeerUnavailable(peer_error)  # after spark-edge's own arms were measured and written
+
+
+def _peer_lookup_arm(arm: Arm) -> Arm:
+    """llama-server with its own lookup decoding, beside a spark-edge arm with n-gram speculation."""
+    from dataclasses import replace
+
+    from spark_edge.bench.peer_arms import LOOKUP_ENV
+
+    assert arm.peer is not None
+    return replace(arm, env=dict(LOOKUP_ENV), peer=replace(arm.peer, llama_bench=False))
 
 
 def _peer_perplexity(arm) -> dict:

@@ -11,6 +11,7 @@ the source's own grid puts x1.06 out of reach).
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -21,6 +22,9 @@ from spark_edge.bench.server_arm import ArmResult, Launch, free_port, measure_se
 
 LLAMA_BENCH_TIMEOUT_S = 1800
 PERPLEXITY_QUANTS = ("Q4_K_M", "BF16")  # the 4-bit format the gate compares with, over its own bf16
+# llama-server's own lookup decoding (n-grams of the context, no draft model), with llama.cpp's defaults: the
+# peer of spark-edge's n-gram speculation (an arm of its own where a spark-edge arm speculates)
+LOOKUP_ENV = {"LLAMA_ARG_SPEC_TYPE": "ngram-simple"}
 _FINAL_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 
 
@@ -31,6 +35,7 @@ class Peer:
     threads: int
     context: int  # per sequence, as spark-edge's --max-model-len
     slots: int  # as spark-edge's --max-num-seqs
+    llama_bench: bool = True  # also run llama-bench on every GGUF (one arm of the peer does)
 
     @property
     def served_quant(self) -> str:
@@ -59,7 +64,7 @@ def llama_server_launch(peer: Peer, port: int, env: dict[str, str]) -> Launch:
         "--metrics",
         "--no-webui",
     ]
-    return Launch(cmd, env, gguf.stem)
+    return Launch(cmd, {**os.environ, **env}, gguf.stem)  # the arm's variables over the bench's own
 
 
 def parse_llama_bench(jsonl: str) -> dict:
@@ -122,7 +127,7 @@ def run_peer_arm(
     result = measure_server(
         tag, llama_server_launch(peer, port, env), port, vocab, log_path, reps, ready_timeout_s=300, served=served
     )
-    for quant, gguf in peer.ggufs.items():
+    for quant, gguf in peer.ggufs.items() if peer.llama_bench else ():
         try:
             result.llama_bench[quant] = run_llama_bench(peer, gguf, reps)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -22,7 +22,8 @@ the JSON that `spark-edge bench --served --peer llama.cpp` writes: the newest fu
 newest first, then the earlier and targeted runs by name. Every ratio in a section was measured on one host in one
 run (arms interleaved); figures from different sections are from different hosts or hours and are not
 ratios. tg128 and pp512 follow llama-bench's semantics through the server's API (decode = 128-token minus
-1-token completion; prefill = 512-token prompt), `streamed` is what a streaming client sees, aggregate is
+1-token completion; prefill = 512-token prompt), `streamed` is what a streaming client sees, `grounded` the same
+decode on prompts that ask to copy a passage they carry (where n-gram speculation finds drafts), aggregate is
 generated tokens per second over N concurrent streams, TTFT is time to first token at that concurrency.
 Fidelity is against the run's baseline arm on the same text: its perplexity ratio and teacher-forced top-1
 agreement.
@@ -61,14 +62,14 @@ def _level(streamed: dict, n: int) -> dict:
 
 def arm_rows(summary: dict) -> list[str]:
     rows = [
-        "| arm | tg128 tok/s | pp512 tok/s | streamed tg128 | aggregate 1 / 4 / 8 streams tok/s | "
+        "| arm | tg128 tok/s | pp512 tok/s | streamed tg128 | grounded tg128 | aggregate 1 / 4 / 8 streams tok/s | "
         "TTFT p50 / p95 at 4 streams ms | load peak MiB | settled MiB | ready s | tg128 vs peer | "
         "perplexity vs baseline | top-1 agreement |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
-            rows.append(f"| {tag} | failed | | | | | | | | | | |")
+            rows.append(f"| {tag} | failed | | | | | | | | | | | |")
             continue
         s = _streamed(arm)
         levels = " / ".join(_cell(_level(s, n).get("aggregate_tps")) for n in (1, 4, 8))
@@ -77,7 +78,7 @@ def arm_rows(summary: dict) -> list[str]:
         vs_peer = arm.get("vs_peer", {}).get("tg128_tps")
         rows.append(
             f"| {tag} | {_cell(_best(arm, 'tg128_tps'))} | {_cell(_best(arm, 'pp512_tps'), '.0f')} | "
-            f"{_cell(s.get('tg128_tps'))} | {levels} | {ttft} | "
+            f"{_cell(s.get('tg128_tps'))} | {_cell(s.get('grounded_tg128_tps'))} | {levels} | {ttft} | "
             f"{_cell((_best(arm, 'load_peak_bytes') or 0) / MiB, '.0f')} | "
             f"{_cell((_best(arm, 'settled_bytes') or 0) / MiB, '.0f')} | {_cell(_best(arm, 'ready_s'))} | "
             f"{'-' if vs_peer is None else f'{vs_peer:.2f}x'} | "
@@ -138,7 +139,8 @@ def section(summary: dict, source: str) -> str:
 
 
 def _full(summary: dict) -> bool:
-    return bool(summary.get("peer", {}).get("arm"))
+    """Every arm against llama.cpp, streamed: a run with the peer but without --served is a targeted one."""
+    return bool(summary.get("peer", {}).get("arm")) and any(_streamed(a) for a in summary["arms"].values())
 
 
 def render(paths: list[Path]) -> str:
@@ -155,7 +157,11 @@ def render(paths: list[Path]) -> str:
         text += "\n## Earlier and targeted runs\n\nIn docs/bench-runs/, newest first; each one host, one run.\n\n"
         text += "| file | model | host | arms (baseline) | |\n|---|---|---|---|---|\n"
         for name, summary in others:
-            why = "superseded" if _full(summary) else "targeted (no peer)"
+            why = (
+                "superseded"
+                if _full(summary)
+                else ("targeted (not streamed)" if summary.get("peer", {}).get("arm") else "targeted (no peer)")
+            )
             arms = ", ".join(summary["arms"])
             host = summary.get("host", "?").split(",")[0]
             text += (

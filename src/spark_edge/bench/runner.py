@@ -115,7 +115,8 @@ def served_line(served: dict) -> str:
         f"{c['streams']}x {c['aggregate_tps']:.1f} tok/s (ttft p50 {1000 * c['ttft_p50_s']:.0f} ms)"
         for c in served["concurrency"]
     )
-    return f"tg128 {served['tg128_tps']:.1f} tok/s, pp512 {served['pp512_tps']:.0f} tok/s; aggregate {levels}"
+    grounded = f", grounded tg128 {served['grounded_tg128_tps']:.1f}" if "grounded_tg128_tps" in served else ""
+    return f"tg128 {served['tg128_tps']:.1f}{grounded} tok/s, pp512 {served['pp512_tps']:.0f} tok/s; aggregate {levels}"
 
 
 def llama_bench_line(figures: dict) -> str:
@@ -249,6 +250,12 @@ def _peer_ratio(value: float, peer_value: float | None) -> str:
     return f" ({value / peer_value:.2f}x peer)" if peer_value else ""
 
 
+def _grounded_ratio(served: dict, peer_served: dict) -> str:
+    if not served.get("grounded_tg128_tps") or not peer_served.get("grounded_tg128_tps"):
+        return ""
+    return f", grounded tg128 {served['grounded_tg128_tps'] / peer_served['grounded_tg128_tps']:.2f}x"
+
+
 def _served_lines(summary: dict) -> list[str]:
     peer = summary.get("peer", {})
     peer_streamed = peer.get("streamed", {})
@@ -261,7 +268,9 @@ def _served_lines(summary: dict) -> list[str]:
             if peer_streamed and tag != peer.get("arm"):
                 levels = {c["streams"]: c["aggregate_tps"] for c in peer_streamed["concurrency"]}
                 vs_peer = (
-                    f" (vs peer: tg128 {best['tg128_tps'] / peer_streamed['tg128_tps']:.2f}x, pp512 "
+                    f" (vs peer: tg128 {best['tg128_tps'] / peer_streamed['tg128_tps']:.2f}x"
+                    + _grounded_ratio(best, peer_streamed)
+                    + f", pp512 "
                     f"{best['pp512_tps'] / peer_streamed['pp512_tps']:.2f}x, aggregate "
                     + ", ".join(
                         f"{c['streams']}x {c['aggregate_tps'] / levels[c['streams']]:.2f}x"

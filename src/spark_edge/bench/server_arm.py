@@ -20,6 +20,7 @@ from pathlib import Path
 import requests
 
 from spark_edge.bench.fidelity import score
+from spark_edge.bench.grounded import grounded_decode_tps
 from spark_edge.bench.streams import concurrent_streams, random_prompt, stream_completion
 from spark_edge.environment import API_KEY, HOME
 from spark_edge.metrics.process_tree import TreeRssSampler
@@ -92,12 +93,14 @@ CONCURRENCY = (1, 4, 8)
 
 
 def measure_streamed(url: str, model: str, vocab: int, seed: int, reps: int) -> dict:
-    """What an API client sees: streamed pp512 (time to first token) and tg128, then 1/4/8 streams at once."""
+    """What an API client sees: streamed pp512 (time to first token) and tg128, the same decode on a prompt it
+    copies from (bench/grounded.py: where n-gram speculation finds drafts), then 1/4/8 streams at once."""
     rng = random.Random(seed)
     pp = min(stream_completion(url, model, random_prompt(rng, vocab, 512), 1).ttft_s for _ in range(reps))
     tg = max(stream_completion(url, model, random_prompt(rng, vocab, 1), 128).decode_tps for _ in range(reps))
+    grounded = grounded_decode_tps(url, model, reps)
     levels = [concurrent_streams(url, model, vocab, n, 32, 64, seed + n) for n in CONCURRENCY]
-    return {"pp512_tps": 512 / pp, "tg128_tps": tg, "concurrency": levels}
+    return {"pp512_tps": 512 / pp, "tg128_tps": tg, "grounded_tg128_tps": grounded, "concurrency": levels}
 
 
 @dataclass(frozen=True)
