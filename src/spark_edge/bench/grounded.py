@@ -1,9 +1,10 @@
 """A workload grounded in its prompt: the edge's RAG and extraction traffic, where the answer repeats a passage
 the prompt carries. It is where n-gram speculation (prompt lookup) finds its drafts, so the bench measures it
-beside the random-prompt decode that no lookup can help.
+beside the random-prompt decode (where lookup finds drafts only when a small model's output loops).
 
-Each request asks to copy a different passage of the fidelity text (no prefix-cache hit between them), greedy,
-128 tokens; the figure is the streamed decode rate (tokens after the first over the time after the first).
+Each request asks to copy a different passage of the fidelity text (only the instruction's few tokens are shared
+between them), greedy, 128 tokens; the figure is the streamed decode rate (tokens after the first over the time
+after the first).
 """
 
 from __future__ import annotations
