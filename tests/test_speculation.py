@@ -26,8 +26,8 @@ SMOLLM2 = ModelShape(
 
 
 def test_off_tells_vllm_nothing_and_ngram_its_prompt_lookup() -> None:
-    assert draft_tokens("off") == 0 and vllm_speculative_config("off") is None
-    config = json.loads(vllm_speculative_config("ngram") or "")
+    assert draft_tokens("off") == 0 and vllm_speculative_config(draft_tokens("off")) is None
+    config = json.loads(vllm_speculative_config(draft_tokens("ngram")) or "")
     assert config["method"] == "ngram" and config["num_speculative_tokens"] == DRAFT_TOKENS == draft_tokens("ngram")
     assert 1 <= config["prompt_lookup_min"] <= config["prompt_lookup_max"]
     # vLLM's own parser of the per-batch schedule takes it: drafts for a sequence or two, none beyond

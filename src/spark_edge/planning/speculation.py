@@ -37,18 +37,18 @@ def draft_tokens(mode: str) -> int:
     return DRAFT_TOKENS if mode == "ngram" else 0
 
 
-def vllm_speculative_config(mode: str) -> str | None:
-    """vLLM's --speculative-config for `mode`, None for off."""
-    if draft_tokens(mode) == 0:
+def vllm_speculative_config(drafts: int) -> str | None:
+    """vLLM's --speculative-config for a plan's `drafts` (draft_tokens()), None for none."""
+    if drafts == 0:
         return None
     return json.dumps(
         {
             "method": "ngram",
-            "num_speculative_tokens": DRAFT_TOKENS,
+            "num_speculative_tokens": drafts,
             "prompt_lookup_min": LOOKUP_MIN,
             "prompt_lookup_max": LOOKUP_MAX,
             "num_speculative_tokens_per_batch_size": [
-                [1, MAX_SPECULATING_SEQS, DRAFT_TOKENS],
+                [1, MAX_SPECULATING_SEQS, drafts],
                 [MAX_SPECULATING_SEQS + 1, _ANY_BATCH, 0],
             ],
         },

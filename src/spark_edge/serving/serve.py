@@ -133,7 +133,7 @@ def vllm_argv(req: ServeRequest, served: ServedCheckpoint, plan: MemoryPlan) -> 
         f"--middleware={request_limits.MIDDLEWARE}",  # 413 before a body over the limit is read
         *layout_args(req.process_layout),
         *(["--quantization", method] if method else []),
-        *(["--speculative-config", spec] if (spec := vllm_speculative_config(req.speculation)) else []),
+        *(["--speculative-config", spec] if (spec := vllm_speculative_config(plan.draft_tokens)) else []),
         *req.vllm_args,  # what spark-edge decides was refused before (passthrough.py); the rest goes as given
     ]  # fmt: skip
 
