@@ -18,8 +18,8 @@ Per layer (x is the residual stream, positions 0..T-1):
 logits = (rmsnorm(x) * w_final) @ E^T      (E: the embedding, tied, or lm_head)
 
 Also reads the 4-bit checkpoints spark-edge writes, decoding them with its own few lines:
-cpu_int4 (w = (q - 8) * scale + zero, row-major nibbles, low nibble first) and symmetric
-GPTQ (w = (q - 8) * scale, codes packed 8 per int32 along K).
+cpu_int4 (w = (q - 8) * scale + zero, row-major nibbles, low nibble first; its 8-bit table w = q * scale,
+one scale a row) and symmetric GPTQ (w = (q - 8) * scale, codes packed 8 per int32 along K).
 
 int8_rows_from=P models int8 activations on the positions from P on, as a kernel that quantizes them
 computes: each 4-bit linear's input row rounded to int8 per 32 inputs (d = max|x| / 127) against the
@@ -128,6 +128,8 @@ class _Weights:
         prefix = name.removesuffix(".weight")
         if self.method == "cpu_int4" and f"{prefix}.weight_packed" in self.t:
             return sum(_cpu_int4_parts(self.t, prefix, self.group))
+        if self.method == "cpu_int4" and f"{prefix}.weight_int8" in self.t:  # the 8-bit table: w = q * scale
+            return self.t[f"{prefix}.weight_int8"].double() * self.t[f"{prefix}.weight_scale"].double()[:, None]
         if self.method == "gptq" and f"{prefix}.qweight" in self.t:
             return _gptq_weight(self.t, prefix, self.group, self.zero_offset)
         if self.method == "awq" and f"{prefix}.qweight" in self.t:

@@ -17,6 +17,7 @@ from spark_edge.checkpoints.hf_source import HFSource
 from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.errors import CheckpointError
 from spark_edge.formats import int4_asym as q4
+from spark_edge.formats import int8_rows
 from spark_edge.formats import tinygemm_layout as tl
 from spark_edge.formats.cpu_int4_config import CpuInt4Settings
 from spark_edge.weight_paths import NAMES, writers
@@ -405,15 +406,20 @@ def test_settings_round_trip_and_validation() -> None:
         "bits": 4,
         "group_size": 64,
         "quantize_embedding": False,
+        "embedding_bits": 4,
         "direct_dequant": False,
     }
     assert CpuInt4Settings.from_hf(json.loads(json.dumps(hf))) == s
+    # a config written before the 8-bit table has no embedding_bits: its table is 4-bit
+    assert CpuInt4Settings.from_hf({"quant_method": "cpu_int4"}).embedding_bits == 4
     assert CpuInt4Settings.from_hf({"quant_method": "cpu_int4"}) == CpuInt4Settings()
     for bad in (
         {"bits": 8},
         {"group_size": 48},
         {"group_size": True},
         {"direct_dequant": "yes"},
+        {"embedding_bits": 6},
+        {"embedding_bits": True},
         {"prefill_dequant": True},
         {"quant_method": "gptq"},
     ):
@@ -576,6 +582,76 @@ def test_unquantized_embedding_when_disabled(vllm_tp1: None) -> None:
     assert isinstance(embed.quant_method, UnquantizedEmbeddingMethod)
 
 
+def _load_int8(layer: torch.nn.Module, q: int8_rows.Int8Rows) -> None:
+    for name, tensor in (("weight_int8", q.codes), ("weight_scale", q.scale)):
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor)
+
+
+@pytest.mark.parametrize("kernel", ["amx", "onednn", "int8pack"])
+@pytest.mark.parametrize("head_first", [False, True])
+def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, head_first: bool) -> None:
+    """embedding_bits 8: the lookup decodes the rows exactly (from vLLM's packed layout on AMX); the head's GEMM
+    is vLLM's AMX or oneDNN int8 (per-token int8 activations, ~1% of the result's norm) or torch's int8pack
+    (bf16 activations)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    from spark_edge.vllm_methods import cpu_int8_table as t8
+
+    vocab, hidden = 1000, 64  # vLLM pads the table to 1024 rows
+    if kernel == "amx" and not t8.amx_int8_available(1024, hidden):
+        pytest.skip("no usable AMX here, or a vLLM without its AMX int8 GEMM")
+    if kernel == "onednn" and not t8.onednn_int8_available():
+        pytest.skip("this vLLM build has no oneDNN int8 matmul")
+    config = _config(embedding_bits=8)
+    embed = VocabParallelEmbedding(vocab, hidden, quant_config=config, prefix="model.embed_tokens")
+    head = ParallelLMHead(vocab, hidden, quant_config=config, prefix="lm_head").tie_weights(embed)
+    assert isinstance(embed.quant_method, t8.CpuInt8TableMethod) and head.weight_int8 is embed.weight_int8
+    embed.quant_method.kernel = kernel
+    q = int8_rows.quantize(torch.randn(vocab, hidden))
+    _load_int8(embed, q)
+    for layer in (head, embed) if head_first else (embed, head):
+        _process(layer)
+    assert head._int8_table_kernel == embed._int8_table_kernel == kernel
+    # one copy of the table on AMX: its packed form replaced the codes
+    assert embed.weight_int8.numel() == 1024 * (hidden + 4 if kernel == "amx" else hidden)
+    reference = int8_rows.dequantize(q.codes, q.scale)
+    for name in ("weight_int8", "weight_scale"):  # as the mapped weights do: new storage, the old one gone
+        old = getattr(embed, name).data
+        getattr(embed, name).data = old.clone()
+        old.zero_()
+    ids = torch.tensor([[0, 999, 512], [63, 64, 7]])
+    assert torch.equal(embed(ids), reference[ids].to(BF16))
+    for m in (1, 5, 16):
+        x = torch.randn(m, hidden).to(BF16)
+        logits = head.quant_method.apply(head, x)
+        assert logits.shape == (m, 1024) and float(logits[:, vocab:].abs().max()) == 0.0
+        assert q4.snr_db(x.float() @ reference.t(), logits[:, :vocab].float()) > (40 if kernel == "int8pack" else 30)
+
+
+def test_untied_8bit_head(vllm_tp1: None) -> None:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(256, 64, quant_config=_config(embedding_bits=8), prefix="lm_head")
+    q = int8_rows.quantize(torch.randn(256, 64))
+    _load_int8(head, q)
+    _process(head)
+    x = torch.randn(3, 64).to(BF16)
+    reference = x.float() @ int8_rows.dequantize(q.codes, q.scale).t()
+    assert q4.snr_db(reference, head.quant_method.apply(head, x).float()) > 30
+
+
+def test_int8_rows_quantization() -> None:
+    w = torch.randn(300, 96)
+    w[7] = 0.0  # an all-zero row decodes to zero
+    q = int8_rows.quantize(w, chunk_rows=64)
+    back = int8_rows.dequantize(q.codes, q.scale)
+    assert torch.equal(back[7], torch.zeros(96)) and int(q.codes.abs().max()) == 127
+    # every element within half a step of its row's grid
+    assert bool(((back - w).abs() <= q.scale[:, None] / 2 + 1e-7).all())
+    assert q.snr_db == pytest.approx(q4.snr_db(w, back), abs=0.01) and q.snr_db > 38
+
+
 # -- the w4a16 checkpoint writer -----------------------------------------------------------
 
 
@@ -638,12 +714,17 @@ def test_w4a16_writer_on_a_tiny_llama(tmp_path: Path) -> None:
             "bits": 4,
             "group_size": 32,
             "quantize_embedding": True,
+            "embedding_bits": 8,
             "direct_dequant": True,
         }
     }
     written = _read(out)
-    quantized = [n for n in source_tensors if n.endswith("proj.weight") or n == "model.embed_tokens.weight"]
-    assert len(quantized) == 2 * 7 + 1
+    quantized = [n for n in source_tensors if n.endswith("proj.weight")]
+    assert len(quantized) == 2 * 7
+    table = source_tensors["model.embed_tokens.weight"]
+    codes, scale = written["model.embed_tokens.weight_int8"], written["model.embed_tokens.weight_scale"]
+    assert codes.dtype == torch.int8 and codes.shape == table.shape and scale.shape == (table.shape[0],)
+    assert q4.snr_db(table, int8_rows.dequantize(codes, scale)) > 38
     for name, w in source_tensors.items():
         if name in quantized:
             base = name[: -len(".weight")]
@@ -658,13 +739,15 @@ def test_w4a16_writer_on_a_tiny_llama(tmp_path: Path) -> None:
             assert q.packed.dtype == torch.uint8 and q.packed.shape == (w.shape[0], w.shape[1] // 2)
             assert q.scale.dtype == BF16 and q.scale.shape == (w.shape[0], w.shape[1] // 32)
             assert q4.snr_db(w, q4.dequantize_weight(q)) > 19
-        else:  # norms
+        elif name != "model.embed_tokens.weight":  # norms
             assert written[name].dtype == BF16 and torch.equal(written[name], w.to(BF16))
-    assert len(written) == 3 * len(quantized) + (len(source_tensors) - len(quantized))
+    assert len(written) == 3 * len(quantized) + 2 + (len(source_tensors) - len(quantized) - 1)
     report = json.loads((out / REPORT_NAME).read_text())
     assert report["group_size"] == 32 and report["search"] is True and report["bits_per_weight"] == 5.0
-    assert set(report["tensors"]) == set(quantized)
-    assert all(19 < t["snr_db"] < 35 for t in report["tensors"].values())
+    assert set(report["tensors"]) == {*quantized, "model.embed_tokens.weight"}
+    assert all(19 < report["tensors"][n]["snr_db"] < 35 for n in quantized)
+    assert report["tensors"]["model.embed_tokens.weight"]["bits"] == 8
+    assert report["int8_params"] == table.numel()
     assert report["quantization_config"] == extra["quantization_config"]
 
 
@@ -685,7 +768,7 @@ def test_w4a16_writer_options(tmp_path: Path) -> None:
     assert written["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 2)
     report = json.loads((out / REPORT_NAME).read_text())
     assert report["search"] is False and report["bits_per_weight"] == 4.5
-    for bad in ({"group_size": 48}, {"serch": True}, {"search": "no"}):
+    for bad in ({"group_size": 48}, {"serch": True}, {"search": "no"}, {"embedding_bits": 16}):
         with pytest.raises(CheckpointError):
             write_w4a16(HFSource(tmp_path / "src"), out, bad)
 
@@ -726,3 +809,16 @@ def test_serve_refuses_quantized_tensors_that_do_not_fit_the_config(tmp_path: Pa
     (out / "model.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         check_cpu_int4_tensors(out, {"quantization_config": quant})
+
+
+def test_build_options_reach_the_writer_or_are_refused() -> None:
+    import click
+
+    from spark_edge.cli import build_params
+
+    assert build_params("w4a16", None, None, False, "4") == {"embedding_bits": 4}
+    assert build_params("w4a16", None, None, True, None) == {"keep_embedding": True}
+    assert build_params("w4a16", None, None, False, None) == {}  # the writer's default: 8
+    for args in (("bf16", None, None, False, "8"), ("w4a8", None, None, False, "4"), ("w4a16", None, None, True, "8")):
+        with pytest.raises(click.UsageError):
+            build_params(*args)

@@ -284,7 +284,8 @@ def test_w4a16_build_keeps_spark_names_and_the_gate_in_bf16(builds: dict[str, Pa
     assert t[f"{p}.q_k_v_proj.weight_scale"].shape == (3072, 2)
     assert t[f"{p}.out_proj.weight_packed"].shape == (256, 1024)
     assert t[f"{p}.g_proj.weight"].dtype == torch.bfloat16 and t[f"{p}.g_proj.weight"].shape == (8, 256)
-    assert t["model.embedding.weight_packed"].shape == (512, 128)  # the tied table, quantized once
+    assert t["model.embedding.weight_int8"].shape == (512, 256)  # the tied table, quantized once, 8-bit
+    assert t["model.embedding.weight_scale"].shape == (512,)
     assert not any(n.startswith("lm_head") for n in t)
     config = json.loads((builds["w4a16"] / "config.json").read_text())
     assert config["architectures"] == ["Spark2_5ForCausalLM"] and config["tie_word_embeddings"] is True
@@ -677,8 +678,8 @@ class TestW4A16Engine:
         from spark_edge.models.introspect import spark_model_facts
 
         facts = w4a16_llm.apply_model(spark_model_facts)[0]
-        assert set(facts["kernels"].values()) == {"CpuInt4LinearMethod", "CpuInt4EmbeddingMethod"}
-        assert facts["kernels"]["lm_head"] == "CpuInt4EmbeddingMethod" and facts["head_tied"] is True
+        assert set(facts["kernels"].values()) == {"CpuInt4LinearMethod", "CpuInt8TableMethod"}
+        assert facts["kernels"]["lm_head"] == "CpuInt8TableMethod" and facts["head_tied"] is True
         assert facts["gate"] == ["Parameter"] * 4  # g_proj stays a bf16 parameter
         run = _quantized_run(w4a16_llm)
         assert len(run["tokens"]) == 16

@@ -78,6 +78,13 @@ def main() -> None:
     "model its squared-error search clips the values that matter most).",
 )
 @click.option("--keep-embedding", is_flag=True, help="w4a16: keep the embedding / tied head in bf16.")
+@click.option(
+    "--embedding-bits",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="w4a16: bits of the quantized embedding / tied head (default 8: per-row int8, oneDNN's int8 GEMM; "
+    "4: group-wise like the linears, smaller and less faithful).",
+)
 def build(
     weight_path: str,
     model: Path | None,
@@ -85,25 +92,32 @@ def build(
     group_size: int | None,
     search: bool | None,
     keep_embedding: bool,
+    embedding_bits: str | None,
 ) -> None:
     """Build a servable Hugging Face checkpoint for one weight path."""
     from spark_edge.checkpoints.sources import model_id
     from spark_edge.paths import checkpoint_dir
     from spark_edge.weight_paths.builder import build_checkpoint
 
-    params = build_params(weight_path, group_size, search, keep_embedding)
+    params = build_params(weight_path, group_size, search, keep_embedding, embedding_bits)
     target = out or checkpoint_dir(model_id(model), weight_path)
     click.echo(str(build_checkpoint(model, weight_path, target, params, log=_log).out))
 
 
-def build_params(weight_path: str, group_size: int | None, search: bool | None, keep_embedding: bool) -> dict:
+def build_params(
+    weight_path: str, group_size: int | None, search: bool | None, keep_embedding: bool, embedding_bits: str | None
+) -> dict:
     """Only the options a path understands, and only when given: defaults stay the writer's."""
     if weight_path == "bf16":
-        if group_size or search is not None or keep_embedding:
-            raise click.UsageError("--group-size, --search/--no-search and --keep-embedding apply to 4-bit paths")
+        if group_size or search is not None or keep_embedding or embedding_bits:
+            raise click.UsageError(
+                "--group-size, --search/--no-search, --keep-embedding and --embedding-bits apply to 4-bit paths"
+            )
         return {}
-    if keep_embedding and weight_path != "w4a16":
-        raise click.UsageError("--keep-embedding applies to w4a16 (w4a8 keeps a bf16 table already)")
+    if (keep_embedding or embedding_bits) and weight_path != "w4a16":
+        raise click.UsageError("--keep-embedding and --embedding-bits apply to w4a16 (w4a8 keeps a bf16 table already)")
+    if keep_embedding and embedding_bits:
+        raise click.UsageError("--keep-embedding keeps the table in bf16: --embedding-bits does not apply")
     params: dict = {}
     if group_size:
         params["group_size"] = group_size
@@ -111,6 +125,8 @@ def build_params(weight_path: str, group_size: int | None, search: bool | None, 
         params["search"] = search
     if keep_embedding:
         params["keep_embedding"] = True
+    if embedding_bits:
+        params["embedding_bits"] = int(embedding_bits)
     return params
 
 

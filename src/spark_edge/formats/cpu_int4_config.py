@@ -20,7 +20,12 @@ BITS = 4
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 DEFAULT_GROUP_SIZE = W4A16_GROUP  # the w4a16 path's, recorded in the registry
 
-_FIELDS = ("quant_method", "bits", "group_size", "quantize_embedding", "direct_dequant")
+EMBEDDING_BITS = (4, 8)
+# What a quantization_config without "embedding_bits" means: checkpoints written before the 8-bit table
+# quantized the vocabulary table like every linear.
+LEGACY_EMBEDDING_BITS = 4
+
+_FIELDS = ("quant_method", "bits", "group_size", "quantize_embedding", "embedding_bits", "direct_dequant")
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,10 @@ class CpuInt4Settings:
     group_size: int = DEFAULT_GROUP_SIZE
     # the (tied) token embedding / LM head is 4-bit too; the head is the largest GEMM of a decode step
     quantize_embedding: bool = True
+    # its bits when quantized: 4 (group-wise, as the linears) or 8 (per-row int8 codes and scale, read by
+    # oneDNN's int8 GEMM: the head decides every token, and 4 bits there cost the default model x1.058
+    # perplexity, 8 bits x1.000)
+    embedding_bits: int = LEGACY_EMBEDDING_BITS
     # multi-row GEMMs and embedding lookups decode the kernel buffer itself (no row-major
     # copy resident); false keeps the checkpoint's row-major tensors for them instead
     direct_dequant: bool = True
@@ -37,6 +46,8 @@ class CpuInt4Settings:
             raise ValueError(f"cpu_int4: group_size must be an integer, got {self.group_size!r}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"cpu_int4: group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.embedding_bits not in EMBEDDING_BITS or isinstance(self.embedding_bits, bool):
+            raise ValueError(f"cpu_int4: embedding_bits must be one of {EMBEDDING_BITS}, got {self.embedding_bits!r}")
         for name in ("quantize_embedding", "direct_dequant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"cpu_int4: {name} must be true or false, got {getattr(self, name)!r}")
@@ -48,6 +59,7 @@ class CpuInt4Settings:
             "bits": BITS,
             "group_size": self.group_size,
             "quantize_embedding": self.quantize_embedding,
+            "embedding_bits": self.embedding_bits,
             "direct_dequant": self.direct_dequant,
         }
 
@@ -67,5 +79,6 @@ class CpuInt4Settings:
         return cls(
             group_size=config.get("group_size", DEFAULT_GROUP_SIZE),
             quantize_embedding=config.get("quantize_embedding", True),
+            embedding_bits=config.get("embedding_bits", LEGACY_EMBEDDING_BITS),
             direct_dequant=config.get("direct_dequant", True),
         )

@@ -16,6 +16,7 @@ from spark_edge.errors import CheckpointError
 from spark_edge.formats.cpu_int4_config import QUANT_METHOD, CpuInt4Settings
 
 PACKED, SCALE, ZERO = "weight_packed", "weight_scale", "weight_zero"
+INT8 = "weight_int8"  # the 8-bit vocabulary table's codes [N, K]; its SCALE is [N]
 
 
 def _shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -43,6 +44,8 @@ def check_cpu_int4_tensors(folder: Path, config: dict) -> None:
     prefixes = [name[: -len(PACKED)] for name in shapes if name.endswith(PACKED)]
     if not prefixes:
         raise CheckpointError(f"{folder}: quantization_config says {QUANT_METHOD}, but no tensor is *.{PACKED}")
+    for prefix in (name[: -len(INT8)] for name in shapes if name.endswith(INT8)):
+        _check_int8_table(folder, prefix, shapes)
     for prefix in prefixes:
         packed = shapes[prefix + PACKED]
         if len(packed) != 2 or packed[0] % 16:
@@ -64,3 +67,12 @@ def check_cpu_int4_tensors(folder: Path, config: dict) -> None:
                     f"expected [{n}, {k // group}] for {prefix}{PACKED} {list(packed)} at "
                     f"group size {group}"
                 )
+
+
+def _check_int8_table(folder: Path, prefix: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    codes, scale = shapes[prefix + INT8], shapes.get(prefix + SCALE)
+    if len(codes) != 2 or scale != (codes[0],):
+        raise CheckpointError(
+            f"{folder}: {prefix}{INT8} has shape {list(codes)} and {prefix}{SCALE} "
+            f"{list(scale) if scale else 'none'}; an 8-bit table is [N, K] codes with [N] scales"
+        )

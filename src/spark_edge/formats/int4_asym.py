@@ -156,7 +156,7 @@ def quantize(
         zero[start:stop] = gq.zero
         signal += float(chunk.double().square().sum())
         noise += float(gq.sq_err.double().sum())
-    return Int4Weight(packed, scale, zero, group_size, _db(signal, noise))
+    return Int4Weight(packed, scale, zero, group_size, snr_from_sums(signal, noise))
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -192,10 +192,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-noise ratio of `approx` against `reference`, in dB (inf when identical)."""
     ref = reference.double()
-    return _db(float(ref.square().sum()), float((approx.double() - ref).square().sum()))
+    return snr_from_sums(float(ref.square().sum()), float((approx.double() - ref).square().sum()))
 
 
-def _db(signal: float, noise: float) -> float:
+def snr_from_sums(signal: float, noise: float) -> float:
+    """Signal-to-noise in dB from summed squares (inf when exact)."""
     if noise == 0.0:
         return math.inf
     if signal == 0.0:

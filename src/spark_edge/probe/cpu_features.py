@@ -160,3 +160,9 @@ def host_has_bf16_gemm() -> bool:
 def host_has_amx_bf16() -> bool:
     """Whether this CPU has AMX bf16 tiles (oneDNN's bf16 GEMM runs on them where the process may use them)."""
     return "amx_bf16" in probe_cpu_features(Path("/"), platform.machine()).names
+
+
+@functools.cache
+def host_has_amx_int8() -> bool:
+    """Whether this CPU has AMX int8 tiles (vLLM's AMX int8 GEMM serves w4a16's 8-bit head there)."""
+    return "amx_int8" in probe_cpu_features(Path("/"), platform.machine()).names

@@ -31,7 +31,7 @@ class CpuInt4Config(QuantizationConfig):
         s = self.settings
         return (
             f"CpuInt4Config(group_size={s.group_size}, quantize_embedding={s.quantize_embedding}, "
-            f"direct_dequant={s.direct_dequant})"
+            f"embedding_bits={s.embedding_bits}, direct_dequant={s.direct_dequant})"
         )
 
     def get_name(self) -> str:
@@ -60,7 +60,13 @@ class CpuInt4Config(QuantizationConfig):
 
         # VocabParallelEmbedding covers ParallelLMHead, its subclass
         if isinstance(layer, VocabParallelEmbedding):
-            return CpuInt4EmbeddingMethod(self.settings) if self.settings.quantize_embedding else None
+            if not self.settings.quantize_embedding:
+                return None
+            if self.settings.embedding_bits == 8:
+                from spark_edge.vllm_methods.cpu_int8_table import CpuInt8TableMethod
+
+                return CpuInt8TableMethod()
+            return CpuInt4EmbeddingMethod(self.settings)
         if isinstance(layer, LinearBase):
             return CpuInt4LinearMethod(self.settings)
         return None

@@ -2,9 +2,10 @@
 
 Every Linear weight of the decoder blocks, as the architecture's own module tree says
 (spark_edge.checkpoints.architecture: Llama's q/k/v/o and gate/up/down, Phi-3's fused
-qkv_proj and gate_up_proj, Spark-X2.5's q_k_v_proj and out_proj, ...), the token embedding
-and an untied head are quantized with spark_edge.formats.int4_asym; norms, biases and Spark's
-head gate (g_proj, 0.001% of the weights) stay bf16.  Tensor names are kept: vLLM's loaders
+qkv_proj and gate_up_proj, Spark-X2.5's q_k_v_proj and out_proj, ...), is quantized with
+spark_edge.formats.int4_asym; the token embedding and an untied head with spark_edge.formats.int8_rows
+(or int4_asym, embedding_bits 4); norms, biases and Spark's head gate (g_proj, 0.001% of the weights)
+stay bf16.  Tensor names are kept: vLLM's loaders
 split a fused tensor by rows, which is exact here (N stays on dim 0).  Streaming: one source
 tensor is loaded, quantized and written at a time.
 
@@ -13,6 +14,9 @@ Params:
                   weights came from Q4_1, groups of 32: g32 costs x1.05 perplexity, g64 x1.45)
   search          per-group range-shrink search (default true); false = plain min/max
   keep_embedding  leave the embedding / LM head in bf16 (default false)
+  embedding_bits  8 (default: per-row int8, the head GEMM in oneDNN's int8) or 4 (group-wise, as the
+                  linears: on the default model, whose source table is Q8_0, 4 bits cost x1.058
+                  perplexity, 8 bits none measurable; decode pays ~0.3 ms a step on the Xeon AMX host)
   direct_dequant  serve-time switch written into quantization_config (default true)
 
 Also writes quantization_report.json (per-tensor SNR, bits per weight) into the checkpoint.
@@ -33,12 +37,14 @@ from spark_edge.checkpoints.architecture import Role, Structure, servable_struct
 from spark_edge.checkpoints.safetensors_stream import TensorSpec, write_safetensors
 from spark_edge.checkpoints.sources import CheckpointSource
 from spark_edge.errors import CheckpointError
+from spark_edge.formats import int8_rows
 from spark_edge.formats.cpu_int4_config import DEFAULT_GROUP_SIZE, CpuInt4Settings
 from spark_edge.formats.int4_asym import bits_per_weight, quantize
 from spark_edge.formats.tinygemm_layout import kernel_supports
+from spark_edge.registry import W4A16_EMBEDDING_BITS
 
 REPORT_NAME = "quantization_report.json"
-_PARAMS = {"group_size": int, "search": bool, "keep_embedding": bool, "direct_dequant": bool}
+_PARAMS = {"group_size": int, "search": bool, "keep_embedding": bool, "embedding_bits": int, "direct_dequant": bool}
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class _Options:
 class _Item:
     name: str  # source tensor name
     shape: tuple[int, ...]
-    action: str  # "int4" | "bf16" | "drop"
+    action: str  # "int4" | "int8" | "bf16" | "drop"
 
 
 def _options(params: dict[str, Any]) -> _Options:
@@ -66,6 +72,7 @@ def _options(params: dict[str, Any]) -> _Options:
         settings = CpuInt4Settings(
             group_size=params.get("group_size", DEFAULT_GROUP_SIZE),
             quantize_embedding=not params.get("keep_embedding", False),
+            embedding_bits=params.get("embedding_bits", W4A16_EMBEDDING_BITS),
             direct_dequant=params.get("direct_dequant", True),
         )
     except ValueError as exc:
@@ -77,7 +84,9 @@ def _action(role: Role, opts: _Options) -> str:
     if role is Role.TIED_HEAD:
         return "drop"  # tied: vLLM builds the head from the embedding and would skip this copy
     if role in (Role.EMBEDDING, Role.HEAD):
-        return "int4" if opts.settings.quantize_embedding else "bf16"
+        if not opts.settings.quantize_embedding:
+            return "bf16"
+        return "int8" if opts.settings.embedding_bits == 8 else "int4"
     return "int4" if role is Role.LINEAR else "bf16"  # norms, biases, Spark's head gate
 
 
@@ -100,6 +109,8 @@ def _plan(source: CheckpointSource, opts: _Options) -> list[_Item]:
     for item in items:
         if item.action == "int4":
             _check_quantizable(item, opts.settings.group_size, (arch.embedding, arch.head))
+        elif item.action == "int8" and len(item.shape) != 2:
+            raise CheckpointError(f"w4a16: {item.name} has shape {list(item.shape)}, expected 2-D")
     return items
 
 
@@ -117,6 +128,10 @@ def _specs(items: list[_Item], group_size: int) -> list[TensorSpec]:
             specs.append(TensorSpec(_quantized_name(item.name, "weight_packed"), torch.uint8, (n, k // 2)))
             specs.append(TensorSpec(_quantized_name(item.name, "weight_scale"), torch.bfloat16, (n, k // group_size)))
             specs.append(TensorSpec(_quantized_name(item.name, "weight_zero"), torch.bfloat16, (n, k // group_size)))
+        elif item.action == "int8":
+            n, k = item.shape
+            specs.append(TensorSpec(_quantized_name(item.name, "weight_int8"), torch.int8, (n, k)))
+            specs.append(TensorSpec(_quantized_name(item.name, "weight_scale"), torch.float32, (n,)))
     return specs
 
 
@@ -130,6 +145,13 @@ def _stream(
         tensor = source.load(item.name)
         if item.action == "bf16":
             yield item.name, tensor.to(torch.bfloat16)
+            continue
+        if item.action == "int8":
+            rows = int8_rows.quantize(tensor)
+            del tensor
+            report[item.name] = {"shape": list(item.shape), "bits": 8, "snr_db": _finite(rows.snr_db)}
+            yield _quantized_name(item.name, "weight_int8"), rows.codes
+            yield _quantized_name(item.name, "weight_scale"), rows.scale
             continue
         q = quantize(tensor.float(), g, search=opts.search)
         del tensor
@@ -146,7 +168,10 @@ def _finite(x: float) -> float | None:
 def _report(items: list[_Item], opts: _Options, tensors: dict[str, Any]) -> dict[str, Any]:
     g = opts.settings.group_size
     int4 = sum(math.prod(i.shape) for i in items if i.action == "int4")
+    int8 = [i.shape for i in items if i.action == "int8"]
     bf16 = sum(math.prod(i.shape) for i in items if i.action == "bf16")
+    int8_bits = sum(math.prod(shape) * int8_rows.bits_per_weight(shape[1]) for shape in int8)
+    quantized = int4 + sum(math.prod(shape) for shape in int8)
     snrs = [t["snr_db"] for t in tensors.values() if t["snr_db"] is not None]
     return {
         "weight_path": "w4a16",
@@ -154,8 +179,11 @@ def _report(items: list[_Item], opts: _Options, tensors: dict[str, Any]) -> dict
         "group_size": g,
         "search": opts.search,
         "bits_per_weight": bits_per_weight(g),  # of a quantized tensor: 4-bit code + bf16 scale, zero
-        "model_bits_per_weight": round((int4 * bits_per_weight(g) + bf16 * 16) / max(1, int4 + bf16), 4),
-        "quantized_params": int4,
+        "model_bits_per_weight": round(
+            (int4 * bits_per_weight(g) + int8_bits + bf16 * 16) / max(1, quantized + bf16), 4
+        ),
+        "quantized_params": quantized,
+        "int8_params": quantized - int4,
         "bf16_params": bf16,
         "dropped": [i.name for i in items if i.action == "drop"],
         "snr_db_min": min(snrs) if snrs else None,
