@@ -5,18 +5,17 @@ Every Linear weight of the decoder blocks, as the architecture's own module tree
 qkv_proj and gate_up_proj, Spark-X2.5's q_k_v_proj and out_proj, ...), is quantized with
 spark_edge.formats.int4_asym; the token embedding and an untied head with spark_edge.formats.int8_rows
 (or int4_asym, embedding_bits 4); norms, biases and Spark's head gate (g_proj, 0.001% of the weights)
-stay bf16.  Tensor names are kept: vLLM's loaders
-split a fused tensor by rows, which is exact here (N stays on dim 0).  Streaming: one source
-tensor is loaded, quantized and written at a time.
+stay bf16.  Tensor names are kept: vLLM's loaders split a fused tensor by rows, which is exact here
+(N stays on dim 0).  Streaming: one source tensor is loaded, quantized and written at a time.
 
 Params:
   group_size      K elements per (scale, zero) group; default 32 (the default model's
                   weights came from Q4_1, groups of 32: g32 costs x1.05 perplexity, g64 x1.45)
   search          per-group range-shrink search (default true); false = plain min/max
   keep_embedding  leave the embedding / LM head in bf16 (default false)
-  embedding_bits  8 (default: per-row int8, the head GEMM in oneDNN's int8) or 4 (group-wise, as the
-                  linears: on the default model, whose source table is Q8_0, 4 bits cost x1.058
-                  perplexity, 8 bits none measurable; decode pays ~0.3 ms a step on the Xeon AMX host)
+  embedding_bits  8 (default: per-row int8, the head on vLLM's int8 GEMM) or 4 (group-wise, as the
+                  linears). On the default model, whose source table is Q8_0, the whole w4a16 build
+                  scored x1.061 bf16's perplexity with 4 bits and x1.007 with 8 (Intel Xeon AMX)
   direct_dequant  serve-time switch written into quantization_config (default true)
 
 Also writes quantization_report.json (per-tensor SNR, bits per weight) into the checkpoint.
