@@ -33,9 +33,8 @@ class CpuInt4Settings:
     group_size: int = DEFAULT_GROUP_SIZE
     # the (tied) token embedding / LM head is 4-bit too; the head is the largest GEMM of a decode step
     quantize_embedding: bool = True
-    # its bits when quantized: 4 (group-wise, as the linears) or 8 (per-row int8 codes and scale, read by
-    # oneDNN's int8 GEMM: the head decides every token, and 4 bits there cost the default model x1.058
-    # perplexity, 8 bits x1.000)
+    # its bits when quantized: 4 (group-wise, as the linears) or 8 (per-row int8 codes and a scale, the head on
+    # vLLM's int8 GEMM); the head decides every token (registry.W4A16_EMBEDDING_BITS says what each measured)
     embedding_bits: int = LEGACY_EMBEDDING_BITS
     # multi-row GEMMs and embedding lookups decode the kernel buffer itself (no row-major
     # copy resident); false keeps the checkpoint's row-major tensors for them instead
