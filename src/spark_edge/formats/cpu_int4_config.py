@@ -31,7 +31,7 @@ _FIELDS = ("quant_method", "bits", "group_size", "quantize_embedding", "embeddin
 @dataclass(frozen=True)
 class CpuInt4Settings:
     group_size: int = DEFAULT_GROUP_SIZE
-    # the (tied) token embedding / LM head is 4-bit too; the head is the largest GEMM of a decode step
+    # the (tied) token embedding / LM head is quantized too; the head is the largest GEMM of a decode step
     quantize_embedding: bool = True
     # its bits when quantized: 4 (group-wise, as the linears) or 8 (per-row int8 codes and a scale, the head on
     # vLLM's int8 GEMM); the head decides every token (registry.W4A16_EMBEDDING_BITS says what each measured)
