@@ -49,13 +49,14 @@ def onednn_int8_available() -> bool:
 
 
 def amx_int8_available(n: int, k: int) -> bool:
-    """vLLM's AMX int8 GEMM takes this [N, K] table (its own condition, check_cpu_sgl_kernel), and its packed
-    layout is the one the lookup reads."""
+    """vLLM's AMX int8 GEMM takes this [N, K] table (vLLM's own condition), whole blocks of rows for the lookup,
+    and its packed layout is the one the lookup reads."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
     return (
         hasattr(torch.ops._C, "int8_scaled_mm_with_quant")
-        and torch.cpu._is_amx_tile_supported()
+        and check_cpu_sgl_kernel(n, k, torch.int8)
         and n % _AMX_BLOCK == 0
-        and k % 32 == 0
         and _amx_layout_is_known()
     )
 
