@@ -261,9 +261,11 @@ def test_native_library_is_keyed_on_the_cpu_and_can_be_turned_off(monkeypatch: p
     from spark_edge.kernels import native_int4 as ni
 
     cxx = ni._compiler()
-    here = ni._build_key(cxx)
+    here, portable = ni._build_key(cxx, ni.NATIVE), ni._build_key(cxx, "x86-64-v3")
     monkeypatch.setattr(ni, "all_cpu_flags", lambda: ["fpu", "sse", "sse2"])  # another CPU
-    assert ni._build_key(cxx) != here  # a library built there is never loaded here
+    assert ni._build_key(cxx, ni.NATIVE) != here  # a library built there is never loaded here
+    assert ni._build_key(cxx, "x86-64-v3") == portable != here  # a portable one is the same everywhere
+    assert ni.host_target() == ni.NATIVE  # a CPU without x86-64-v3's features never loads that build
     monkeypatch.setenv(DISABLED_KERNELS.name, "spark_edge_int4")
     ni.load_native_ops.cache_clear()
     try:

@@ -8,7 +8,8 @@
 - `int4_gemm`, `int4_gemm_q8` (native/int4_gemm_q8.cpp: int8 activations per 32-K block against the 4-bit
   codes, integer dot products, for decode; `form` picks vpmaddubsw pairs or 4-byte quads, vpdpbusd with
   AVX512-VNNI and an exact stand-in without, so both forms are checked on every AVX512BW host; AVX2's layout
-  has the pairs form, native/int4_gemm_q8_avx2.cpp), the tile GEMMs over bf16 tiles of the weight in cache
+  has both forms too, its quads on AVX-VNNI where the CPU has it, native/int4_gemm_q8_avx2.cpp), the tile
+  GEMMs over bf16 tiles of the weight in cache
   (native/bf16_tiles.h: `int4_gemm_bf16` with vdpbf16ps, `int4_gemm_amx` with AMX tiles), `int4_dequant_t`
   (native/int4_dequant.cpp: bf16 W^T [K, N] in one pass): the kernels alone.
 - `int4_embedding(ids, weight, scales_zeros, group)`: rows of a quantized embedding table (tied to the head or
@@ -19,7 +20,11 @@ The library is compiled once per host with the C++ compiler Inductor already nee
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
 flags, the compiler, torch's version and the CPU's flags, so a library built on another CPU is never
 loaded (a cache volume moved between hosts cannot cause an illegal instruction). `make`, `spark-edge warm`
-and the image build compile it before anything serves. After loading, the kernels are checked against
+and the image build compile it before anything serves. Where ATen runs its AVX2 kernels (an AVX2-only CPU,
+`ATEN_CPU_CAPABILITY=avx2`, or qemu emulating such a CPU, whose /proc/cpuinfo still names the host's) the
+library is built for the portable x86-64-v3 level instead and keyed on that, not on the CPU: every such host
+loads one build (an image's), AVX-VNNI is asked at run time inside, and -march=native, which describes the
+compiler's CPU, never reaches a process whose instructions are emulated. After loading, the kernels are checked against
 the reference (the dequantization bit for bit, the GEMM within its stated tolerance of float64); if
 there is no compiler, the build fails, or a check fails, the torch paths of cpu_int4_op.py serve and a
 warning says why.
@@ -29,6 +34,7 @@ SPARK_EDGE_DISABLED_KERNELS=spark_edge_int4 turns the library off (for side-by-s
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import logging
@@ -60,11 +66,24 @@ SOURCES = tuple(
         "int4_dequant.cpp",
     )
 )
-HEADERS = tuple(NATIVE_DIR / name for name in ("bf16.h", "bf16_tiles.h", "int4_kernels.h", "int4_q8_common.h"))
+HEADERS = tuple(
+    NATIVE_DIR / name
+    for name in ("bf16.h", "bf16_tiles.h", "int4_kernels.h", "int4_q8_common.h", "int4_gemm_q8_avx2_body.h")
+)
 LIBRARY_NAME = "spark_edge_int4.so"
 # int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
 Q8_FORMS = {"pairs": 1, "quads": 2}
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+NATIVE = "native"
+# Portable -march levels a library may be built for, with the cpuinfo flags a host needs to run one (the psABI's
+# x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT (`abm`), MOVBE over v2's SSE4.2, SSSE3, POPCNT). AVX-VNNI is asked
+# at run time inside (int4_gemm_q8_avx2.cpp), so one build serves hosts with and without it.
+PORTABLE_TARGETS = {
+    "x86-64-v3": ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "popcnt", "sse4_2", "ssse3")
+}
+
+
+def build_flags(target: str = NATIVE) -> tuple[str, ...]:
+    return ("-O3", f"-march={target}", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
 class _Unavailable(Exception):
@@ -91,17 +110,29 @@ def _torch_flags() -> list[str]:
     ]
 
 
-def _build_key(cxx: str) -> str:
+def _build_key(cxx: str, target: str) -> str:
+    """The library's folder name: what it was compiled from and for (this CPU's flags, or a portable target)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cpu = (" ".join(all_cpu_flags()) or platform.processor()) if target == NATIVE else target
     parts = (
         *(s.read_bytes() for s in (*SOURCES, *HEADERS)),
-        " ".join(FLAGS).encode(),
+        " ".join(build_flags(target)).encode(),
         version.encode(),
         torch.__version__.encode(),
-        (" ".join(all_cpu_flags()) or platform.processor()).encode(),
+        cpu.encode(),
         platform.machine().encode(),
     )
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def host_target() -> str:
+    """What this process's library is built for: x86-64-v3 where ATen runs its AVX2 kernels (its layout is the
+    32-channel one) and the CPU has the level's features, else this CPU (`native`)."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX2" and set(all_cpu_flags()).issuperset(
+        PORTABLE_TARGETS["x86-64-v3"]
+    ):
+        return "x86-64-v3"
+    return NATIVE
 
 
 def _kernel_dirs() -> tuple[Path, ...]:
@@ -122,26 +153,30 @@ def _writable(base: Path) -> bool:
         return False
 
 
-def build_library() -> Path:
-    """The compiled library for this host (built now if missing: about 20 s)."""
+def build_library(target: str | None = None) -> Path:
+    """The compiled library for `target` (default: this host's, host_target()), built now if missing (about
+    20 s); the image build names its target."""
     cxx = _compiler()
-    key = _build_key(cxx)
+    target = target or host_target()
+    if target != NATIVE and target not in PORTABLE_TARGETS:
+        raise _Unavailable(f"unknown build target {target!r} (known: {NATIVE}, {', '.join(PORTABLE_TARGETS)})")
+    key = _build_key(cxx, target)
     for base in _kernel_dirs():
         if (base / key / LIBRARY_NAME).is_file():
             return base / key / LIBRARY_NAME
     base = next((b for b in _kernel_dirs() if _writable(b)), None)
     if base is None:
         raise _Unavailable("no writable folder for the compiled kernel")
-    target = base / key / LIBRARY_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp), *_torch_flags()]
+    out = base / key / LIBRARY_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = [cxx, *build_flags(target), *map(str, SOURCES), "-o", str(tmp), *_torch_flags()]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise _Unavailable(f"{cxx} failed: {result.stderr.strip()[-800:]}")
-    os.replace(tmp, target)  # atomic: a concurrent process sees the old name or the whole library
-    return target
+    os.replace(tmp, out)  # atomic: a concurrent process sees the old name or the whole library
+    return out
 
 
 @functools.cache
@@ -323,9 +358,22 @@ def dequantize_kernel_weight_t(buf: torch.Tensor, sz: torch.Tensor, group_size: 
     return torch.ops.spark_edge.int4_dequant_t(buf, sz, group_size) if load_native_ops() else None
 
 
-if __name__ == "__main__":  # `make` and the image build: compile and check this host's library ahead of serving
+def main(argv: list[str]) -> int:
+    """`make` and the image build: compile and check this host's library ahead of serving; `--target x86-64-v3`
+    (the avx2 image) builds the portable one and checks it where ATen runs its AVX2 kernels, forced if need be."""
+    parser = argparse.ArgumentParser(prog="python -m spark_edge.kernels.native_int4")
+    parser.add_argument("--target", choices=tuple(PORTABLE_TARGETS), help="a portable build (default: this host's)")
+    target = parser.parse_args(argv).target
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if target is not None and target != host_target():  # built and checked where ATen runs its AVX2 kernels
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        return subprocess.run([sys.executable, "-m", __spec__.name], env=env, check=False).returncode
     if load_native_ops():
         print(f"spark-edge: int4 kernels ready: {build_library()}")
     else:
         print("spark-edge: int4 kernels not built here: the torch paths will serve (see the warning above)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,7 @@
  * vpmaddwd), so every host can check it; the build's default form is the pairs one there.
  *
  * This file's kernel serves ATen's AVX-512 layout with AVX512BW (Skylake-SP and later, Zen 4); the AVX2 layout
- * has its own (int4_gemm_q8_avx2.cpp). Elsewhere int4_gemm_q8_supported() is false and the fp32 kernel
+ * has its own, with the same two forms (int4_gemm_q8_avx2.cpp: quads on AVX-VNNI). Elsewhere int4_gemm_q8_supported() is false and the fp32 kernel
  * (int4_gemm.cpp) serves.
  */
 #include "bf16.h"
@@ -309,10 +309,13 @@ bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, 
     return block == 32 && n % 32 == 0 && int4_gemm_q8_avx2_built();
 }
 
-int int4_gemm_q8_default_form(int64_t block) { return block == 64 ? Q8_DEFAULT : Q8_PAIRS; }
+int int4_gemm_q8_default_form(int64_t block) {
+    if (block == 64) return Q8_DEFAULT;
+    return int4_gemm_q8_avx_vnni() ? Q8_QUADS : Q8_PAIRS;
+}
 
 bool int4_gemm_q8_form_supported(int64_t block, int form) {
-    return form == Q8_AUTO || form == Q8_PAIRS || (form == Q8_QUADS && block == 64);
+    return form == Q8_AUTO || form == Q8_PAIRS || (form == Q8_QUADS && (block == 64 || block == 32));
 }
 
 bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
@@ -334,7 +337,7 @@ bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16
         }
     const Q8Activations q{xq, d, xsum, m, k, group};
     bool done = false;
-    if (block == 32) done = int4_gemm_q8_avx2(q, buf, sz, out, n);
+    if (block == 32) done = int4_gemm_q8_avx2(q, buf, sz, out, n, form);
 #ifdef __AVX512BW__
     if (block == 64) done = int4_gemm_q8_avx512(q, buf, sz, out, n, form);
 #endif

@@ -45,10 +45,11 @@ enum { TILES_NONE = 0, TILES_VDP = 1, TILES_AMX = 2 };
 bool int4_gemm_q8_supported(int64_t n, int64_t k, int64_t group, int64_t block, int64_t halves);
 
 /* Forms of int4_gemm_q8's inner product: the layout's default, 2-byte pairs into int16 (vpmaddubsw), 4-byte
- * quads into int32 (vpdpbusd with AVX512-VNNI, an exact stand-in without; the 64-channel layout only). */
+ * quads into int32 (vpdpbusd with AVX512-VNNI on the 64-channel layout, AVX-VNNI on the 32-channel one, an exact
+ * stand-in without). */
 enum { Q8_AUTO = 0, Q8_PAIRS = 1, Q8_QUADS = 2 };
 
-/* The form Q8_AUTO runs on a layout of `block` channels in this build. */
+/* The form Q8_AUTO runs on a layout of `block` channels in this build on this CPU. */
 int int4_gemm_q8_default_form(int64_t block);
 
 /* Whether `form` exists for a layout of `block` channels. */

@@ -3,7 +3,7 @@
  * host policy that Python sets once per process (int4_configure), from the buffer layout it detected and the
  * host's ISA (see cpu_int4_op.py for the reasons):
  *   q8       int8 activations against the 4-bit codes, integer dot products (int4_gemm_q8.cpp), for decode,
- *            in the layout's form (vpdpbusd quads with AVX512-VNNI, vpmaddubsw pairs without and on AVX2);
+ *            in the layout's form (vpdpbusd quads with AVX512-VNNI or AVX-VNNI, vpmaddubsw pairs without);
  *   native   spark-edge's GEMM (int4_gemm.cpp), every weight read once whatever M;
  *   tiles    bf16 tiles of the weight (bf16_tiles.h) for the rows above native's (prefill), never a whole bf16
  *            matrix: vdpbf16ps register blocks (int4_gemm_bf16.cpp, AVX512-BF16 builds) or AMX tiles

@@ -18,8 +18,12 @@ struct Q8Activations {
 /* Whether this build has the AVX2 kernel (the compiler targets AVX2). */
 bool int4_gemm_q8_avx2_built();
 
-/* out bf16 [M][N] from q on a buffer in ATen's AVX2 layout (32-channel halves blocks, N % 32 == 0); false if
- * the scratch could not be allocated or the build has no AVX2. */
-bool int4_gemm_q8_avx2(const Q8Activations &q, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n);
+/* Whether this CPU has AVX-VNNI (asked at run time), what the AVX2 kernel's quads form runs on. */
+bool int4_gemm_q8_avx_vnni();
+
+/* out bf16 [M][N] from q on a buffer in ATen's AVX2 layout (32-channel halves blocks, N % 32 == 0), in `form`
+ * (Q8_PAIRS or Q8_QUADS); false if the scratch could not be allocated or the build has no AVX2. */
+bool int4_gemm_q8_avx2(const Q8Activations &q, const uint8_t *buf, const uint16_t *sz, uint16_t *out, int64_t n,
+                       int form);
 
 }  // namespace spark_edge
