@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test images image-avx512 image-amx image-arm
+.PHONY: setup serve test images image-avx512 image-amx image-avx2 image-arm
 setup:
 	scripts/setup.sh
 
@@ -14,7 +14,7 @@ test: setup
 
 # Container images (a running docker daemon; see the README's "Container images").
 # MODEL=/path/to/model.gguf bakes another model; BASE_IMAGE=debian:bookworm-slim uses a registry base.
-image-avx512 image-amx image-arm: image-%: setup
+image-avx512 image-amx image-avx2 image-arm: image-%: setup
 	PYTHON=$(VENV)/bin/python docker/build-image.sh $*
 
-images: image-avx512 image-amx image-arm
+images: image-avx512 image-amx image-avx2 image-arm

@@ -23,13 +23,27 @@ emulated() {
     [ "${EMULATED:-0}" = 1 ] || { [ "$(uname -m)" = aarch64 ] && grep -q '^flags' /proc/cpuinfo; }
 }
 
+not_warmed() {
+    echo "$1" > "$SPARK_EDGE_BAKED_CACHE/NOT_WARMED"
+    echo "bake: not warmed: $1"
+}
+
+aten_capability() {
+    python3 -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'
+}
+
 warm() {
     mkdir -p "$SPARK_EDGE_BAKED_CACHE"
     if emulated; then
         # Compiling under qemu takes hours, and would make code (and a cache stamp) for the
         # emulator's CPU rather than a real arm64 one.
-        echo "built under emulation on an x86-64 host, so not warmed" > "$SPARK_EDGE_BAKED_CACHE/NOT_WARMED"
-        echo "bake: not warmed: $(cat "$SPARK_EDGE_BAKED_CACHE/NOT_WARMED")"
+        not_warmed "built under emulation on an x86-64 host, so not warmed"
+        return
+    fi
+    if [ "$SPARK_EDGE_IMAGE_ISA" = avx2 ] && [ "$(aten_capability)" != AVX2 ]; then
+        # Inductor would write AVX-512 code, which the CPUs this image is for cannot run (and the
+        # cache's ISA stamp would never match there).
+        not_warmed "built on a CPU with AVX-512, whose compiled code an AVX2 CPU cannot run"
         return
     fi
     # The same check `serve` makes at start (SPARK_EDGE_IMAGE_ISA): a build host whose CPU cannot

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build spark-edge:<isa> from Dockerfile.<isa> (x86: followed by docker/x86.Dockerfile), or keep the existing one when its inputs are unchanged.
 #
-#   docker/build-image.sh avx512|amx|arm     prints the image's tag
+#   docker/build-image.sh avx512|amx|avx2|arm     prints the image's tag
 #
 #   BASE_IMAGE=debian:bookworm-slim   use a registry image instead of the debootstrap base
 #   MODEL=/path/to/model.gguf|folder  bake another model (SERVED_NAME: its API name; default
@@ -21,7 +21,7 @@
 # engine talks to its worker through a 160 MiB shared-memory ring (docker's default /dev/shm is 64 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-isa=${1:?usage: build-image.sh avx512|amx|arm}
+isa=${1:?usage: build-image.sh avx512|amx|avx2|arm}
 python=${PYTHON:-.venv/bin/python}
 # The image's build arguments (ISA, weight path, architecture, served name) from spark-edge's registry
 registry_args=$("$python" scripts/image_recipe.py image-args "$isa") || exit 2

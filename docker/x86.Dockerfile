@@ -1,8 +1,9 @@
-# The recipe both x86-64 images share: Dockerfile.avx512 and Dockerfile.amx hold only what differs (their
+# The recipe every x86-64 image shares: Dockerfile.avx512, .amx and .avx2 hold only what differs (their
 # ARG defaults, the registry's: spark_edge/registry.py), and docker/build-image.sh builds each as that file
 # followed by this one. By hand, from a prepared tree (`make image-avx512` once: base image, wheelhouse):
 #   cat Dockerfile.avx512 docker/x86.Dockerfile | docker build -f - .
-# BASE_IMAGE, IMAGE_ISA, WEIGHT_PATH and ARCH are declared (with their defaults) by the file in front.
+# BASE_IMAGE, IMAGE_ISA, WEIGHT_PATH, ARCH, SERVED_NAME and KERNEL_TARGET are declared (with their defaults) by
+# the file in front.
 
 # --- os: Debian's Python 3.11, g++ for Inductor, libnuma (present already in spark-edge-base) ---
 FROM ${BASE_IMAGE} AS os
@@ -32,8 +33,11 @@ RUN ./install-venv.sh deps
 COPY pyproject.toml ./
 COPY README.md ./
 COPY src/ src/
-# spark-edge, then its C++ int4 ops for the build host's CPU (another CPU compiles its own at first start)
-RUN ./install-venv.sh project && /opt/spark-edge/venv/bin/python -m spark_edge.kernels.native_int4
+# spark-edge, then its C++ int4 ops: for the build host's CPU (another CPU compiles its own at first start), or
+# for the portable level KERNEL_TARGET names (the avx2 image: x86-64-v3, what every AVX2 host loads)
+ARG KERNEL_TARGET
+RUN ./install-venv.sh project \
+    && /opt/spark-edge/venv/bin/python -m spark_edge.kernels.native_int4 ${KERNEL_TARGET:+--target "$KERNEL_TARGET"}
 # VLLM_TARGET_DEVICE: vLLM's CPU platform, said rather than detected (arm64's torch is a CUDA build).
 ENV PATH=/opt/spark-edge/venv/bin:$PATH \
     VLLM_TARGET_DEVICE=cpu

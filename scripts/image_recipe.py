@@ -29,6 +29,7 @@ def build_args(image: Image) -> dict[str, str]:
         "WEIGHT_PATH": image.weight_path,
         "ARCH": image.arch,
         "SERVED_NAME": DEFAULT_MODEL_ID,
+        **({"KERNEL_TARGET": image.kernel_target} if image.recipe else {}),
     }
 
 

@@ -299,6 +299,23 @@ def _required_terms(pod: dict) -> list[dict]:
                 "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": ("In", ["true"]),
             },
         ),
+        (
+            "avx2",
+            {
+                "kubernetes.io/arch": ("In", ["amd64"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AVX2": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.FMA3": ("In", ["true"]),
+            },
+        ),
+        (
+            "edge-avx2",
+            {
+                "kubernetes.io/arch": ("In", ["amd64"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AVX2": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.FMA3": ("In", ["true"]),
+                "feature.node.kubernetes.io/cpu-cpuid.AVX512F": ("DoesNotExist", None),
+            },
+        ),
         ("arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
         ("edge-arm", {"kubernetes.io/arch": ("In", ["arm64"])}),
     ],
@@ -310,9 +327,10 @@ def test_nodes_are_selected_by_node_feature_discovery_labels(overlay: str, requi
     isa = overlay.removeprefix("edge-")
     assert pod["containers"][0]["image"] == f"spark-edge:{isa}"
     assert workload["kind"] == ("DaemonSet" if overlay.startswith("edge-") else "Deployment")
-    # A Deployment on AVX-512 leaves AMX nodes to the amx image when it can; a DaemonSet cannot prefer.
+    # A Deployment on AVX-512 leaves AMX nodes to the amx image when it can, one on AVX2 leaves AVX-512 nodes to
+    # the avx512 and amx images; a DaemonSet cannot prefer.
     preferred = pod["affinity"]["nodeAffinity"].get("preferredDuringSchedulingIgnoredDuringExecution")
-    assert bool(preferred) == (overlay == "avx512")
+    assert bool(preferred) == (overlay in ("avx512", "avx2"))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -579,6 +579,44 @@ def test_amx_image_serves_its_weight_path_where_amx_is_usable(amx_image: str) ->
         print(f"\nspark-edge:amx time to ready (baked cache): {c.ready_after_s:.1f} s")
 
 
+# --- avx2 --------------------------------------------------------------------------------------
+
+QEMU_X86 = shutil.which("qemu-x86_64-static")
+KERNELS_DIR = "/opt/spark-edge/venv/share/spark-edge/kernels"  # where the image build puts the int4 library
+
+
+@pytest.fixture(scope="session")
+def avx2_image(docker: None) -> str:
+    return build_image("avx2")
+
+
+def test_avx2_image_carries_an_x86_64_v3_library_and_no_cache_from_an_avx512_builder(avx2_image: str) -> None:
+    """Built here, on a CPU with AVX-512: the int4 library for x86-64-v3 (one build, keyed on the target), and no
+    compile cache (Inductor's AVX-512 code would not run on the CPUs the image is for); its start says so."""
+    from spark_edge.kernels import native_int4 as ni
+
+    baked = run_once(avx2_image, ["/opt/spark-edge/baked-cache"], ["--entrypoint", "ls"]).stdout.split()
+    if ni.host_target() != ni.NATIVE:
+        pytest.skip("built on an AVX2 CPU: the image is warmed there")
+    assert baked == ["NOT_WARMED"], baked
+    why = run_once(avx2_image, ["/opt/spark-edge/baked-cache/NOT_WARMED"], ["--entrypoint", "cat"]).stdout
+    assert "AVX2 CPU cannot run" in why, why
+    keys = run_once(avx2_image, [KERNELS_DIR], ["--entrypoint", "ls"]).stdout.split()
+    assert len(keys) == 1, keys
+
+
+@pytest.mark.skipif(QEMU_X86 is None, reason="no qemu-x86_64-static (docker/start-dockerd.sh installs it)")
+def test_avx2_image_loads_its_own_library_on_an_emulated_avx2_cpu(avx2_image: str) -> None:
+    """The image's python under qemu's Haswell (AVX2, FMA, F16C; no AVX-512, no AVX-VNNI): the baked x86-64-v3
+    library loads and passes its self-check against float64, nothing compiled at start, no illegal instruction."""
+    qemu = ["-v", f"{QEMU_X86}:/usr/local/bin/qemu-x86_64:ro", "--entrypoint", "/usr/local/bin/qemu-x86_64"]
+    args = ["-cpu", "Haswell", "/opt/spark-edge/venv/bin/python", "-m", "spark_edge.kernels.native_int4"]
+    result = run_once(avx2_image, args, ["--network", "none", *READ_ONLY_ARGS, *qemu])
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    keys = run_once(avx2_image, [KERNELS_DIR], ["--entrypoint", "ls"]).stdout.split()
+    assert f"int4 kernels ready: {KERNELS_DIR}/{keys[0]}/spark_edge_int4.so" in result.stdout, result.stdout
+
+
 # --- arm ---------------------------------------------------------------------------------------
 
 ARM = ["--platform", "linux/arm64"]

@@ -378,7 +378,7 @@ def test_other_architectures_are_refused(tmp_path: Path) -> None:
     [
         ("sapphire_rapids", "x86_64", "spark-edge:amx"),
         ("zen4", "x86_64", "spark-edge:avx512"),
-        ("haswell", "x86_64", None),
+        ("haswell", "x86_64", "spark-edge:avx2"),
         ("sandy_bridge", "x86_64", None),
         ("raspberry_pi5", "aarch64", "spark-edge:arm"),
     ],
@@ -396,8 +396,7 @@ def test_the_isa_label_names_the_image_that_fits(tmp_path: Path, device: str, ma
     """One classification: the label in spark_edge_build_info and the start log is the image that runs here."""
     profile = probe_device(device_tree(tmp_path, device), machine=machine)
     assert isa_label(profile) == label
-    if label != "avx2":
-        assert image_isa_problem(label, profile) is None
+    assert image_isa_problem(label, profile) is None
 
 
 def test_an_avx512f_cpu_without_avx512bw_is_labelled_avx2(tmp_path: Path) -> None:
@@ -423,8 +422,16 @@ def test_image_isa_check_names_the_image_to_use(tmp_path: Path) -> None:
     )
     assert image_isa_problem("arm64", spr).endswith("this CPU is x86_64: use spark-edge:amx instead")
     assert image_isa_problem("avx512", pi5).endswith("this CPU is aarch64: use spark-edge:arm instead")
-    avx2_only = image_isa_problem("avx512", haswell)
-    assert "lacks avx512f, avx512bw, avx512dq, avx512vl" in avx2_only and "install spark-edge with pip" in avx2_only
+    assert image_isa_problem("avx512", haswell) == (
+        "spark-edge:avx512 needs AVX-512 (avx512f, avx512bw, avx512dq, avx512vl), and this CPU lacks avx512f, "
+        "avx512bw, avx512dq, avx512vl: use spark-edge:avx2 instead"
+    )
+    assert image_isa_problem("amx", haswell).endswith("use spark-edge:avx2 instead")
+    assert image_isa_problem("avx2", haswell) is None
+    assert image_isa_problem("avx2", zen4) is None  # runs, though the avx512 image is faster
+    assert image_isa_problem("avx2", pi5).endswith("this CPU is aarch64: use spark-edge:arm instead")
+    no_avx2 = image_isa_problem("avx2", snb)
+    assert "this CPU lacks avx2, fma, f16c; no spark-edge image runs here" in no_avx2
     assert "no spark-edge image runs here" in image_isa_problem("avx512", snb)
     with pytest.raises(ValueError):
         image_isa_problem("avx10", spr)

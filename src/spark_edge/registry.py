@@ -180,13 +180,16 @@ class Image:
     runs_on: tuple[str, ...]  # the host classes (spark_edge.probe.isa.isa_label) it runs on
     arch: str  # the Debian/docker architecture it is built for
     recipe: str | None = None  # a shared recipe built after the image's own Dockerfile (repo-relative)
+    # the native int4 library's build target (spark_edge.kernels.native_int4): "" for the build host's CPU, a
+    # portable -march level for an image whose hosts are a class of CPUs other than its builder's
+    kernel_target: str = ""
 
     @property
     def dockerfile(self) -> str:
         return f"Dockerfile.{self.name}"
 
 
-X86_RECIPE = "docker/x86.Dockerfile"  # both x86-64 images are built by one recipe; their Dockerfiles say what differs
+X86_RECIPE = "docker/x86.Dockerfile"  # every x86-64 image is built by one recipe; its Dockerfile says what differs
 # In order of preference: the most specific image a host runs is the one recommended.
 IMAGES: dict[str, Image] = {
     i.isa: i
@@ -212,6 +215,18 @@ IMAGES: dict[str, Image] = {
             ("amx", "avx512"),
             "amd64",
             X86_RECIPE,
+        ),
+        Image(
+            "avx2",
+            "avx2",
+            "spark-edge:avx2",
+            "w4a16",
+            "AVX2, FMA and F16C (Intel Haswell, AMD Zen and newer)",
+            ("amx", "avx512", "avx2"),
+            "amd64",
+            X86_RECIPE,
+            # built on an AVX-512 machine for CPUs without AVX-512: x86-64-v3, AVX-VNNI chosen at run time
+            "x86-64-v3",
         ),
         Image("arm64", "arm", "spark-edge:arm", "w4a16", "an arm64 CPU with NEON (asimd)", ("arm64",), "arm64"),
     )

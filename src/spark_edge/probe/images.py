@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from spark_edge import registry
 from spark_edge.probe.device import DeviceProfile
-from spark_edge.probe.isa import AVX512, amx_missing_reason, has_avx512, host_problem, isa_label
+from spark_edge.probe.isa import AVX512, X86_FLOOR, amx_missing_reason, has_avx512, host_problem, isa_label
 
 IMAGES = {isa: image.tag for isa, image in registry.IMAGES.items()}
 
@@ -31,14 +31,7 @@ def image_isa_problem(image_isa: str, profile: DeviceProfile) -> str | None:
     instead = recommended_image(profile)
     if instead is not None:
         return f"{message}: use {instead} instead"
-    problem = host_problem(profile)
-    if problem is not None:
-        return f"{message}; no spark-edge image runs here: {problem}"
-    # An AVX2-only x86 host: vLLM's wheel runs (its _C_AVX2 kernels) but no image targets it.
-    return (
-        f"{message}; no spark-edge image targets AVX2-only CPUs: install spark-edge with pip "
-        "(vLLM's CPU wheel carries AVX2 kernels) instead of using an image"
-    )
+    return f"{message}; no spark-edge image runs here: {host_problem(profile)}"
 
 
 def _why_not(image_isa: str, profile: DeviceProfile) -> str:
@@ -46,5 +39,5 @@ def _why_not(image_isa: str, profile: DeviceProfile) -> str:
         return f"this CPU is {profile.machine}"
     if image_isa == "amx" and has_avx512(profile):
         return amx_missing_reason(profile)
-    missing = [f for f in AVX512 if f not in profile.features]
+    missing = [f for f in (X86_FLOOR if image_isa == "avx2" else AVX512) if f not in profile.features]
     return f"this CPU lacks {', '.join(missing)}"
