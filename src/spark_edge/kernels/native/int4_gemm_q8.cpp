@@ -81,17 +81,6 @@ static void activation_pairs(const int8_t *xq, int64_t m, int64_t k, __m512i *pa
         }
 }
 
-/* Per row, per K quad j: the int32 vpdpbusd meets in every lane, bytes (xq[4j], xq[4j+2], xq[4j+1], xq[4j+3])
- * in the order the two unpack levels leave each channel's codes. */
-static void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *quads) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t j = 0; j < k / 4; j++) {
-            const int8_t *q = xq + r * k + 4 * j;
-            quads[r * (k / 4) + j] = (int32_t)((uint32_t)(uint8_t)q[0] | (uint32_t)(uint8_t)q[2] << 8 |
-                                               (uint32_t)(uint8_t)q[1] << 16 | (uint32_t)(uint8_t)q[3] << 24);
-        }
-}
-
 /* int16 sums of the two row halves of an accumulator, widened and added: 16 int32, channel order of the
  * accumulator's lanes 0-1. */
 static inline __m512i widen_pairs(__m512i acc) {

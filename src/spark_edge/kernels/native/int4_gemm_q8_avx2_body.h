@@ -15,17 +15,6 @@ static void activation_pairs(const int8_t *xq, int64_t m, int64_t k, __m256i *pa
         }
 }
 
-/* Per row, per K quad j: the int32 each lane's four codes meet, bytes (xq[4j], xq[4j+2], xq[4j+1], xq[4j+3]) in the
- * order the two unpack levels leave them (QuadsForm::weights). */
-static void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *quads) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t j = 0; j < k / 4; j++) {
-            const int8_t *q = xq + r * k + 4 * j;
-            quads[r * (k / 4) + j] = (int32_t)((uint32_t)(uint8_t)q[0] | (uint32_t)(uint8_t)q[2] << 8 |
-                                               (uint32_t)(uint8_t)q[1] << 16 | (uint32_t)(uint8_t)q[3] << 24);
-        }
-}
-
 /* The pairs form: each channel's codes of steps (k, k+2) (low lane) or (k+1, k+3) (high lane) in adjacent bytes;
  * vpmaddubsw sums into int16, widened once per 32-K block. Channels in natural order. */
 struct PairsForm {

@@ -15,6 +15,17 @@ struct Q8Activations {
     int64_t m, k, group;
 };
 
+/* Per row, per K quad j of int8 codes xq [M][K]: the int32 a quads form's vpdpbusd meets in every lane, bytes
+ * (xq[4j], xq[4j+2], xq[4j+1], xq[4j+3]) in the order two unpack levels leave each channel's codes (both layouts). */
+inline void activation_quads(const int8_t *xq, int64_t m, int64_t k, int32_t *quads) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 4; j++) {
+            const int8_t *q = xq + r * k + 4 * j;
+            quads[r * (k / 4) + j] = (int32_t)((uint32_t)(uint8_t)q[0] | (uint32_t)(uint8_t)q[2] << 8 |
+                                               (uint32_t)(uint8_t)q[1] << 16 | (uint32_t)(uint8_t)q[3] << 24);
+        }
+}
+
 /* Whether this build has the AVX2 kernel (the compiler targets AVX2). */
 bool int4_gemm_q8_avx2_built();
 
