@@ -97,7 +97,14 @@ def engine_log_probs(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    for key, value in {"VLLM_CACHE_ROOT": str(cache_root), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}.items():
+    # the engine core in this process: no process spawned that imports torch and vLLM again for each start
+    env = {
+        "VLLM_CACHE_ROOT": str(cache_root),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     config = json.loads((checkpoint / "config.json").read_text())

@@ -454,8 +454,10 @@ def _engine_env(cache_root: Path) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(cache_root),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }  # apply_model ships a function to the worker
+        # the engine core in this process: apply_model calls the worker directly, and no child imports
+        # torch and vLLM again for each of the module's engines
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
 
 
 @pytest.fixture(scope="module")
