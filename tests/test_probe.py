@@ -14,6 +14,8 @@ import platform
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -572,3 +574,110 @@ def test_probe_sees_a_real_cgroup_limit_and_quota() -> None:
                 folder.rmdir()
             except OSError:
                 pass  # still has a process for a moment; the kernel drops an empty cgroup later
+
+
+# --- x86: the features this process can execute (CPUID), not only the kernel's flags -----------------
+
+QEMU_X86 = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
+X86_HOST = pytest.mark.skipif(platform.machine() != "x86_64", reason="CPUID is an x86 instruction")
+
+
+class _FakeCpuid:
+    """cpuid-native's interface over fixed registers: (leaf, subleaf) -> (EAX, EBX, ECX, EDX), and XCR0."""
+
+    def __init__(self, registers: dict[tuple[int, int], tuple[int, int, int, int]], xcr0: int) -> None:
+        self.registers, self.xcr0 = registers, xcr0
+
+    def get_cpuid_count(self, leaf: int, subleaf: int) -> tuple[int, int, int, int, int]:
+        return (0, *self.registers.get((leaf, subleaf), (0, 0, 0, 0)))
+
+    def get_cpuid(self, leaf: int) -> tuple[int, int, int, int, int]:
+        return self.get_cpuid_count(leaf, 0)
+
+    def xgetbv(self, register: int) -> int:
+        return self.xcr0
+
+
+# leaf 1 ECX: FMA, AVX, F16C, OSXSAVE; leaf 7 EBX: AVX2, AVX-512 F/DQ/BW/VL; leaf 7.1 EAX: AVX512_BF16
+LEAF1 = (0, 0, 1 << 12 | 1 << 27 | 1 << 28 | 1 << 29, 0)
+LEAF7 = (1, 1 << 5 | 1 << 16 | 1 << 17 | 1 << 30 | 1 << 31, 0, 0)
+ZEN4_LIKE = {(0, 0): (13, 0, 0, 0), (1, 0): LEAF1, (7, 0): LEAF7, (7, 1): (1 << 5, 0, 0, 0)}
+AVX512_STATE = 0b1110_0111
+AVX512 = {"avx512f", "avx512dq", "avx512bw", "avx512vl"}
+
+
+@pytest.mark.parametrize(
+    ("registers", "xcr0", "expected"),
+    [
+        (
+            ZEN4_LIKE,
+            AVX512_STATE,
+            {"fma", "f16c", "avx2", *AVX512, "avx512_bf16"},
+        ),
+        # the OS saves no ZMM state (a kernel booted without AVX-512): the CPU has it, this process cannot use it
+        (ZEN4_LIKE, 0b111, {"fma", "f16c", "avx2"}),
+        # leaf 7 reports no subleaf 1: its bits are not read
+        (
+            {**ZEN4_LIKE, (7, 0): (0, *LEAF7[1:])},
+            AVX512_STATE,
+            {"fma", "f16c", "avx2", *AVX512},
+        ),
+        # leaf 7 beyond the CPU's largest leaf
+        ({**ZEN4_LIKE, (0, 0): (1, 0, 0, 0)}, AVX512_STATE, {"fma", "f16c"}),
+    ],
+    ids=["zen4-like", "no-zmm-state", "no-subleaf-1", "max-leaf-1"],
+)
+def test_cpuid_features_read_the_bits_and_the_state_the_os_saves(
+    monkeypatch: pytest.MonkeyPatch, registers: dict, xcr0: int, expected: set[str]
+) -> None:
+    from spark_edge.probe import x86_cpuid
+
+    monkeypatch.setitem(sys.modules, "cpuid_native", _FakeCpuid(registers, xcr0))
+    assert x86_cpuid.cpuid_features() == expected
+
+
+def test_the_live_hosts_flags_are_narrowed_to_what_cpuid_says_this_process_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from spark_edge.probe import cpu_features
+
+    flags = {"flags": "avx2 fma f16c avx512f avx512bw", "model name": "m"}
+    monkeypatch.setattr(cpu_features, "cpuid_features", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert cpu_features._x86_features(Path("/"), flags) == cpu_features.CpuFeatures(
+        frozenset({"avx2", "fma", "f16c"}), "cpuinfo flags and cpuid", "m"
+    )
+    assert cpu_features._x86_features(Path("/"), {}).source == "cpuid"
+    # another root (a recorded /proc) describes another machine: its flags alone
+    assert cpu_features._x86_features(Path("/elsewhere"), flags).names == {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+    monkeypatch.setattr(cpu_features, "cpuid_features", lambda: None)  # no cpuid-native
+    assert cpu_features._x86_features(Path("/"), flags).source == "cpuinfo flags"
+
+
+@X86_HOST
+def test_cpuid_and_the_kernel_agree_on_this_host() -> None:
+    """Two independent readings of one CPU: a wrong bit in the CPUID table shows as a difference here."""
+    from spark_edge.probe.cpu_features import X86_FEATURES, first_processor_fields
+    from spark_edge.probe.x86_cpuid import cpuid_features
+
+    flags = first_processor_fields(Path("/proc/cpuinfo").read_text())["flags"].split()
+    assert cpuid_features() == set(flags) & set(X86_FEATURES)
+
+
+def _emulated_haswell(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [QEMU_X86, "-cpu", "Haswell", sys.executable, "-m", "spark_edge.cli", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+@X86_HOST
+@pytest.mark.skipif(QEMU_X86 is None, reason="no qemu-user for x86-64 (docker/start-dockerd.sh installs it)")
+def test_under_an_emulated_avx2_cpu_the_probe_sees_avx2_and_the_avx512_image_refuses(tmp_path: Path) -> None:
+    """qemu's Haswell (AVX2, FMA, F16C) on an AVX-512 machine: /proc/cpuinfo still names the host's AVX-512,
+    CPUID does not; the probe believes CPUID, so the avx512 image's start refuses (exit 4, naming spark-edge:avx2)
+    instead of dying with SIGILL in its kernels."""
+    probed = _emulated_haswell("probe", "--json")
+    assert probed.returncode == 0, probed.stderr
+    device = json.loads(probed.stdout)["device"]
+    assert set(device["features"]) == {"avx2", "fma", "f16c"}, device
+    served = _emulated_haswell("serve", env={"SPARK_EDGE_IMAGE_ISA": "avx512", "SPARK_EDGE_HOME": str(tmp_path)})
+    assert served.returncode == exit_codes.UNSUPPORTED_HOST, served.stderr[-2000:]
+    assert "use spark-edge:avx2 instead" in served.stderr

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spark_edge.probe.procfs import read_bytes, read_text
+from spark_edge.probe.x86_cpuid import cpuid_features
 
 # x86 flags that decide which vLLM kernels and weight paths run (kernel spellings).
 X86_FEATURES = (
@@ -67,7 +68,7 @@ ARM_PARTS = {
 @dataclass(frozen=True)
 class CpuFeatures:
     names: frozenset[str]
-    source: str  # "cpuinfo flags", "auxv", "cpuinfo Features", or "none" when nothing was readable
+    source: str  # "cpuinfo flags" [and "cpuid"], "cpuid", "auxv", "cpuinfo Features", or "none" (nothing readable)
     model: str | None
 
 
@@ -75,9 +76,7 @@ def probe_cpu_features(root: Path, machine: str) -> CpuFeatures:
     cpuinfo = read_text(root, "proc/cpuinfo") or ""
     fields = first_processor_fields(cpuinfo)
     if machine == "x86_64":
-        flags = fields.get("flags")
-        names = frozenset(flags.split()) & set(X86_FEATURES) if flags is not None else frozenset()
-        return CpuFeatures(names, "cpuinfo flags" if flags is not None else "none", fields.get("model name"))
+        return _x86_features(root, fields)
     if machine == "aarch64":
         model = _arm_model(fields)
         hwcaps = read_auxv_hwcaps(read_bytes(root, "proc/self/auxv"))
@@ -88,6 +87,19 @@ def probe_cpu_features(root: Path, machine: str) -> CpuFeatures:
             return CpuFeatures(frozenset(features.split()) & set(ARM_FEATURES), "cpuinfo Features", model)
         return CpuFeatures(frozenset(), "none", model)
     return CpuFeatures(frozenset(), "none", fields.get("model name"))
+
+
+def _x86_features(root: Path, fields: dict[str, str]) -> CpuFeatures:
+    """The kernel's flags, narrowed on the live host to what CPUID says this process can run (under qemu-user
+    the flags are the host's, the instructions the emulated CPU's)."""
+    flags, model = fields.get("flags"), fields.get("model name")
+    kernel = frozenset(flags.split()) & set(X86_FEATURES) if flags is not None else None
+    executable = cpuid_features() if root == Path("/") else None
+    if executable is None:
+        return CpuFeatures(kernel or frozenset(), "cpuinfo flags" if kernel is not None else "none", model)
+    if kernel is None:
+        return CpuFeatures(executable, "cpuid", model)
+    return CpuFeatures(kernel & executable, "cpuinfo flags and cpuid", model)
 
 
 def first_processor_fields(cpuinfo: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ class DeviceProfile:
     machine: str  # the running process's architecture: "x86_64", "aarch64", or as the kernel names it
     cpu_model: str | None
     features: frozenset[str]  # ISA extensions that matter to vLLM, kernel spellings ("avx512f", "asimddp")
-    feature_source: str  # where features came from: "cpuinfo flags", "auxv", "cpuinfo Features", "none"
+    feature_source: str  # where features came from (cpu_features.CpuFeatures.source)
     amx_usable: bool  # amx_tile present and the kernel let this process use tile data
     cpus: CpuBudget
     memory: MemoryBudget
