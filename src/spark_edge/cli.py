@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from spark_edge import __version__, registry
-from spark_edge.environment import VLLM_ARGS, environment_problems
+from spark_edge.environment import VLLM_ARGS, apply_forced_isa, environment_problems
 from spark_edge.errors import SparkEdgeError
 from spark_edge.settings import WEIGHT_PATH_CHOICES, plan_options, serve_options
 
@@ -40,6 +40,7 @@ def main() -> None:
     """Serve small LLMs on CPUs with vLLM."""
     if problems := environment_problems():  # before any command reads them: a usage error (exit 2), named
         raise click.UsageError("; ".join(problems))
+    apply_forced_isa()  # before anything imports torch
 
 
 @main.command()

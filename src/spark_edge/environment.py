@@ -88,6 +88,14 @@ DISABLED_KERNELS = Variable(
     "`int4_gemm_amx` (prefill on dequantization + oneDNN).",
     "",
 )
+FORCED_ISA = Variable(
+    "SPARK_EDGE_FORCED_ISA",
+    BENCHMARK,
+    "`avx2`: run as on a CPU with AVX2, FMA and F16C (and AVX-VNNI where this one has it), for measuring that "
+    "class on an AVX-512 machine (`bench --isa avx2`): the probe, ATen and Inductor, oneDNN, vLLM's `_C_AVX2` "
+    "kernels and spark-edge's x86-64-v3 library all take their AVX2 code.",
+    "",
+)
 BAKED_CACHE = Variable(
     "SPARK_EDGE_BAKED_CACHE", IMAGE, "Where the image keeps its baked compile cache and mapped weights (read-only)."
 )
@@ -130,6 +138,28 @@ RETIRED = {
 }
 
 
+# what each forced ISA sets for the libraries that choose their kernels themselves, before they load
+FORCED_ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"}}
+
+
+def forced_isa(env: Mapping[str, str] | None = None) -> str | None:
+    """The ISA SPARK_EDGE_FORCED_ISA names, or None (also for a bad value: the command line refuses it first)."""
+    value = (FORCED_ISA.get(env) or "").strip()
+    return value if value in FORCED_ISA_ENV else None
+
+
+def _check_forced_isa(env: Mapping[str, str] | None = None) -> None:
+    value = (FORCED_ISA.get(env) or "").strip()
+    if value and value not in FORCED_ISA_ENV:
+        raise ValueError(f"{FORCED_ISA.name}: {value!r} cannot be forced (choose from: {', '.join(FORCED_ISA_ENV)})")
+
+
+def apply_forced_isa() -> None:
+    """Export the forced ISA's variables to this process and its children (before torch is imported)."""
+    if (isa := forced_isa()) is not None:
+        os.environ.update(FORCED_ISA_ENV[isa])
+
+
 def disabled_kernels(env: Mapping[str, str] | None = None) -> frozenset[str]:
     """The kernels named in SPARK_EDGE_DISABLED_KERNELS; ValueError for a name that is not a kernel."""
     names = frozenset(n.strip() for n in (DISABLED_KERNELS.get(env) or "").split(",") if n.strip())
@@ -152,8 +182,9 @@ def environment_problems(env: Mapping[str, str] | None = None) -> list[str]:
     """What is wrong with this environment's SPARK_EDGE_* variables: a retired one set, a bad kernel name."""
     env = os.environ if env is None else env
     problems = [f"{name} was retired: use {instead}" for name, instead in RETIRED.items() if name in env]
-    try:
-        disabled_kernels(env)
-    except ValueError as exc:
-        problems.append(str(exc))
+    for check in (disabled_kernels, _check_forced_isa):
+        try:
+            check(env)
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems

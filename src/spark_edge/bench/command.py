@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +17,14 @@ import click
 from spark_edge import weight_paths
 from spark_edge.bench.load_command import load_options, run_load_bench
 from spark_edge.bench.peer_build import PEERS
-from spark_edge.environment import DISABLED_KERNELS, KV_CACHE_DTYPE, SPECULATION
+from spark_edge.environment import (
+    DISABLED_KERNELS,
+    FORCED_ISA,
+    FORCED_ISA_ENV,
+    KV_CACHE_DTYPE,
+    SPECULATION,
+    forced_isa,
+)
 from spark_edge.errors import PeerUnavailable
 from spark_edge.runtime import allocator
 from spark_edge.serving.process_layout import DEFAULT_LAYOUT, LAYOUTS
@@ -211,6 +219,13 @@ def _kernel_bench(model: Path | None, group_size: int, out: Path | None) -> None
 @click.option(
     "--group-size", type=click.IntRange(32), default=32, show_default=True, help="With --kernels: the 4-bit group size."
 )
+@click.option(
+    "--isa",
+    type=click.Choice(sorted(FORCED_ISA_ENV)),
+    default=None,
+    help="Measure as on a CPU of this class, every arm forced to its kernels on this machine (ours, ATen's, "
+    f"oneDNN's, vLLM's `_C_AVX2`; llama.cpp built without AVX-512): sets {FORCED_ISA.name}. The table says so.",
+)
 @load_options
 def bench(
     model: Path | None,
@@ -225,10 +240,13 @@ def bench(
     kernels: bool,
     kernels_out: Path | None,
     group_size: int,
+    isa: str | None,
     load: bool,
     **load_args,
 ) -> None:
     """Decode, prefill, load peak, settled RSS and time to ready, per weight path (--load: a load test)."""
+    if isa is not None and forced_isa() != isa:
+        _run_forced(isa)
     if load:
         run_load_bench(model, paths, out, log=_log, **load_args)
         return
@@ -269,6 +287,8 @@ def bench(
         summary["peer"]["perplexity"] = _peer_perplexity(arms[peer])
     summary["model"] = str(model or "default")
     summary["host"] = host_line()
+    if (forced := forced_isa()) is not None:
+        summary["forced_isa"] = forced
     summary.update(_measured_model(arms[names[0]].checkpoint))
     if peer_error:
         summary["peer_error"] = peer_error
@@ -279,6 +299,14 @@ def bench(
     click.echo(f"JSON: {out}; server logs: {log_dir}")
     if peer_error:
         raise PeerUnavailable(peer_error)  # after spark-edge's own arms were measured and written
+
+
+def _run_forced(isa: str) -> None:
+    """This bench again in a process whose environment forces `isa` before torch loads (it cannot be undone
+    in a process that has imported it); its exit code is this one's."""
+    env = {**os.environ, FORCED_ISA.name: isa, **FORCED_ISA_ENV[isa]}
+    _log(f"forcing {isa}: {' '.join(f'{k}={v}' for k, v in sorted(FORCED_ISA_ENV[isa].items()))}")
+    raise SystemExit(subprocess.call([sys.executable, "-m", "spark_edge.cli", *sys.argv[1:]], env=env))
 
 
 def _peer_lookup_arm(arm: Arm) -> Arm:

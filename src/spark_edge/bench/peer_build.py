@@ -7,7 +7,9 @@ arguments, so a folder moved to another CPU builds anew instead of dying with an
 
 The build is `-march=native` except on AMX hosts: there ggml's AMX buffer type segfaults in its matmul on
 some machines (llama.cpp issue #20824, Q4_K_M among the reports; llama-bench died at start on an Intel
-AMX host here), so the same AVX-512 extensions are named one by one and AMX is left out.
+AMX host here), so the same AVX-512 extensions are named one by one and AMX is left out. Without AVX-512
+(an AVX2 host, or `bench --isa avx2` on an AVX-512 one) the extensions are named one by one too: the
+forced build must not take the machine's AVX-512 through -march=native.
 
 The GGUFs are made by llama.cpp's own converter (BF16) and `llama-quantize` (Q4_K_M, Q4_1, Q8_0) from the
 same bf16 checkpoint the spark-edge arms are built from.
@@ -66,7 +68,7 @@ def cmake_args(features: frozenset[str], machine: str) -> list[str]:
         f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_VERSION.split('.')[0]}",
         f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_TAG}",
     ]
-    if machine == "x86_64" and "amx_tile" in features:
+    if machine == "x86_64" and ("amx_tile" in features or "avx512f" not in features):
         args.append("-DGGML_NATIVE=OFF")
         args += [f"-D{option}={'ON' if flag in features else 'OFF'}" for flag, option in GGML_ISA_OPTIONS.items()]
     else:

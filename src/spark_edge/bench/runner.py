@@ -203,6 +203,8 @@ def format_table(summary: dict) -> str:
         + (f"; vs {summary['peer']['arm']}" if "peer" in summary else "")
     )
     lines = [head, "-" * len(head)]
+    if forced := summary.get("forced_isa"):
+        lines.insert(0, f"forced {forced}: every arm ran its {forced} kernels on {summary.get('host', 'this host')}")
     for tag, arm in summary["arms"].items():
         if "tg128_tps" not in arm:
             lines.append(f"{tag:<{w}} all {arm['passes']} passes failed")

@@ -50,7 +50,7 @@ import torch
 from spark_edge.environment import kernel_enabled
 from spark_edge.kernels.native_switch import LIBRARY, cxx_compiler
 from spark_edge.paths import spark_edge_home
-from spark_edge.probe.cpu_features import all_cpu_flags
+from spark_edge.probe.cpu_features import X86_64_V3_FLAGS, all_cpu_flags
 
 log = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
@@ -74,12 +74,9 @@ LIBRARY_NAME = "spark_edge_int4.so"
 # int4_gemm_q8's forms of the integer inner product (native/int4_kernels.h); 0 is the build's own
 Q8_FORMS = {"pairs": 1, "quads": 2}
 NATIVE = "native"
-# Portable -march levels a library may be built for, with the cpuinfo flags a host needs to run one (the psABI's
-# x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT (`abm`), MOVBE over v2's SSE4.2, SSSE3, POPCNT). AVX-VNNI is asked
-# at run time inside (int4_gemm_q8_avx2.cpp), so one build serves hosts with and without it.
-PORTABLE_TARGETS = {
-    "x86-64-v3": ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "popcnt", "sse4_2", "ssse3")
-}
+# Portable -march levels a library may be built for, with the cpuinfo flags a host needs to run one. AVX-VNNI
+# is asked at run time inside (int4_gemm_q8_avx2.cpp), so one x86-64-v3 build serves hosts with and without it.
+PORTABLE_TARGETS = {"x86-64-v3": X86_64_V3_FLAGS}
 
 
 def build_flags(target: str = NATIVE) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from spark_edge.environment import forced_isa
 from spark_edge.probe.procfs import read_bytes, read_text
 from spark_edge.probe.x86_cpuid import cpuid_features
 
@@ -34,6 +35,13 @@ X86_FEATURES = (
     "amx_bf16",
     "amx_int8",
 )
+
+# The cpuinfo flags of the psABI's x86-64-v3 level: AVX2, FMA, F16C, BMI1/2, LZCNT (`abm`), MOVBE over v2's
+# SSE4.2, SSSE3, POPCNT (a portable build's target, kernels/native_int4.py)
+X86_64_V3_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave", "popcnt", "sse4_2", "ssse3")
+# The x86 flags of the CPU class a forced ISA stands for (SPARK_EDGE_FORCED_ISA): an AVX2 desktop or embedded
+# core, AVX-VNNI kept where this CPU has it (Alder Lake and later, N100)
+FORCED_ISA_FLAGS = {"avx2": frozenset({*X86_64_V3_FLAGS, "avx_vnni"})}
 
 # ARM features, named as in /proc/cpuinfo, with their Linux arm64 hwcap bits
 # (arch/arm64/include/uapi/asm/hwcap.h).
@@ -95,6 +103,9 @@ def _x86_features(root: Path, fields: dict[str, str]) -> CpuFeatures:
     flags, model = fields.get("flags"), fields.get("model name")
     kernel = frozenset(flags.split()) & set(X86_FEATURES) if flags is not None else None
     executable = cpuid_features() if root == Path("/") else None
+    if root == Path("/") and (isa := forced_isa()) is not None:
+        kernel = kernel & FORCED_ISA_FLAGS[isa] if kernel is not None else None
+        executable = executable & FORCED_ISA_FLAGS[isa] if executable is not None else None
     if executable is None:
         return CpuFeatures(kernel or frozenset(), "cpuinfo flags" if kernel is not None else "none", model)
     if kernel is None:
@@ -118,9 +129,12 @@ def first_processor_fields(cpuinfo: str) -> dict[str, str]:
 
 def all_cpu_flags() -> list[str]:
     """The kernel's whole flag list of the first processor (x86 "flags", arm64 "Features"; empty if unreadable),
-    for what names every extension (a build's -m flags, a native build's ISA stamp), not only the probe's."""
+    for what names every extension (a build's -m flags, a native build's ISA stamp), not only the probe's; cut
+    to the forced ISA's class where one is forced."""
     fields = first_processor_fields(read_text(Path("/"), "proc/cpuinfo") or "")
-    return (fields.get("flags") or fields.get("Features") or "").split()
+    if (flags := fields.get("flags")) is not None and (isa := forced_isa()) is not None:
+        return [flag for flag in flags.split() if flag in FORCED_ISA_FLAGS[isa]]
+    return (flags or fields.get("Features") or "").split()
 
 
 def read_auxv_hwcaps(data: bytes | None) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from spark_edge.environment import PROCESS_LAYOUT
+from spark_edge.environment import PROCESS_LAYOUT, forced_isa
 from spark_edge.runtime import cache_digests, compile_cache
 from spark_edge.runtime.draining import begin_draining
 from spark_edge.runtime.memory import release_free_memory
@@ -48,6 +48,7 @@ def apply_runtime_fixes() -> None:
             return
         _applied = True
     _patch_torch_load_compiled_function()
+    _patch_forced_isa()
     when_imported("vllm.compilation.decorators", _patch_compile_cache_accounting)
     when_imported("vllm.v1.worker.cpu_worker", _patch_cpu_worker_memory_release)
     when_imported("vllm.v1.engine.async_llm", _patch_drain_start)
@@ -569,3 +570,37 @@ def _patch_processor_chat_template(hf: ModuleType) -> None:
     if lookup is None or _is_ours(lookup):
         return
     hf._try_get_processor_chat_template = skip_absent_processor(lookup)
+
+
+# --- 11. A forced ISA does not reach vLLM's own kernel choice ------------------------------------------
+# vLLM picks its extension (_C, _C_AVX512 or _C_AVX2), its attention kernels and its AMX GEMMs by torch.cpu's
+# CPUID answers, which ATEN_CPU_CAPABILITY leaves alone. Where SPARK_EDGE_FORCED_ISA asks for AVX2 (a benchmark
+# of that CPU class on an AVX-512 machine), torch.cpu answers as such a CPU would. Applied before vLLM loads its
+# extension (vllm._custom_ops, imported after the plugins run); inactive unless the variable is set, so there
+# is nothing for a newer vLLM to turn off.
+WIDER_THAN_AVX2 = (
+    "_is_avx512_supported",
+    "_is_avx512_bf16_supported",
+    "_is_vnni_supported",  # torch's name for AVX512-VNNI
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+)
+
+
+def _answering_no(query: Callable[[], bool]) -> Callable[[], bool]:
+    @functools.wraps(query)
+    def wrapper() -> bool:
+        return False
+
+    return _mark(wrapper, "forced_isa")
+
+
+def _patch_forced_isa() -> None:
+    if forced_isa() != "avx2":
+        return
+    import torch.cpu
+
+    for name in WIDER_THAN_AVX2:
+        query = getattr(torch.cpu, name, None)
+        if query is not None and not _is_ours(query):
+            setattr(torch.cpu, name, _answering_no(query))
