@@ -32,6 +32,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("images") is None)  # stable: order kept within
 
 
+# variables that change which kernels torch, oneDNN and vLLM take in every later child process
+KERNEL_CHOICE_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "SPARK_EDGE_FORCED_ISA")
+
+
+@pytest.fixture(autouse=True)
+def no_kernel_choice_leaks() -> Iterator[None]:
+    """A test that leaves a forced ISA in this process's environment would hand it to every server
+    started after it (an AMX host's w4a8 engine then fails in oneDNN): fail that test, not the later ones."""
+    before = {name: os.environ.get(name) for name in KERNEL_CHOICE_VARIABLES}
+    yield
+    after = {name: os.environ.get(name) for name in KERNEL_CHOICE_VARIABLES}
+    assert after == before, f"the test changed this process's kernel choice: {before} -> {after}"
+
+
 @pytest.fixture(scope="session")
 def spark_edge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("spark-edge-home")

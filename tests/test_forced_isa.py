@@ -26,12 +26,14 @@ def test_a_bad_forced_isa_is_refused_by_name() -> None:
     assert environment.environment_problems({"SPARK_EDGE_FORCED_ISA": "avx2"}) == []
 
 
-def test_forcing_exports_what_aten_inductor_and_onednn_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPARK_EDGE_FORCED_ISA", "avx2")
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(name, raising=False)
-    environment.apply_forced_isa()
-    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+def test_forcing_exports_what_aten_inductor_and_onednn_read() -> None:
+    # a dict, not this process's environment: a forced ISA left behind would reach every later test's servers
+    env = {"SPARK_EDGE_FORCED_ISA": "avx2"}
+    environment.apply_forced_isa(env)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI"
+    unforced = {"PATH": "/bin"}
+    environment.apply_forced_isa(unforced)
+    assert unforced == {"PATH": "/bin"}
 
 
 @X86_HOST

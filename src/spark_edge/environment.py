@@ -11,7 +11,7 @@ Standard library only: the kernels and vLLM's worker processes read it before an
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 SETTING = "setting"  # a serve/warm option's variable (settings.py holds its flag, default and help)
@@ -154,10 +154,11 @@ def _check_forced_isa(env: Mapping[str, str] | None = None) -> None:
         raise ValueError(f"{FORCED_ISA.name}: {value!r} cannot be forced (choose from: {', '.join(FORCED_ISA_ENV)})")
 
 
-def apply_forced_isa() -> None:
-    """Export the forced ISA's variables to this process and its children (before torch is imported)."""
-    if (isa := forced_isa()) is not None:
-        os.environ.update(FORCED_ISA_ENV[isa])
+def apply_forced_isa(env: MutableMapping[str, str] = os.environ) -> None:
+    """Export the forced ISA's variables to `env`: by default this process and its children (before torch is
+    imported)."""
+    if (isa := forced_isa(env)) is not None:
+        env.update(FORCED_ISA_ENV[isa])
 
 
 def disabled_kernels(env: Mapping[str, str] | None = None) -> frozenset[str]:
