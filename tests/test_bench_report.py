@@ -57,7 +57,12 @@ def test_the_document_carries_each_runs_host_figures_and_peer(tmp_path: Path, of
     assert "| w4a16 | 33.0 | 96.0 (N=4) | 280 | spark_edge::int4_linear 11.50 |" in text
     assert "failed: ValueError: no KV cache" in text
     assert "one pass: a smoke run" in text
+    assert "Forced" not in text
     json.loads(path.read_text())  # the source stays valid JSON
+
+    forced = tmp_path / "forced.json"  # bench --isa avx2: the section says whose speed it is
+    write_json({**summary, "forced_isa": "avx2"}, forced)
+    assert "Forced avx2: every arm ran its avx2 kernels on this machine" in render([forced])
 
 
 def test_the_newest_full_run_per_host_and_model_comes_first_and_the_rest_are_listed(tmp_path: Path) -> None:

@@ -97,6 +97,12 @@ def section(summary: dict, source: str) -> str:
         + ".",
         "",
     ]
+    if isa := summary.get("forced_isa"):  # bench --isa: this host's figures for another CPU class
+        lines += [
+            f"Forced {isa}: every arm ran its {isa} kernels on this machine (ours, ATen's, oneDNN's, vLLM's; "
+            f"llama.cpp built without AVX-512), as on a CPU of that class; not this host's own speed.",
+            "",
+        ]
     lines += arm_rows(summary)
     peer = summary.get("peer", {})
     if peer.get("llama_bench"):
