@@ -98,3 +98,28 @@ def test_forced_avx2_reaches_vllms_extension_aten_inductor_and_our_library() -> 
         "amx": False,
         "library_target": "x86-64-v3",
     }
+
+
+KERNEL_BENCH_CHILD = """
+import json
+from spark_edge.environment import apply_forced_isa
+apply_forced_isa()
+from spark_edge.bench.kernels import measure
+(row,) = measure([("probe", 64, 128)], 32, rows=(1,))
+print(json.dumps(sorted(key for key in row if key.endswith("_ms"))))
+"""
+
+
+@X86_HOST
+@pytest.mark.skipif(
+    not {"avx512f", "avx2"} <= set(all_cpu_flags()) & set(X86_FEATURES), reason="forcing AVX2 needs a wider CPU"
+)
+def test_the_kernel_bench_runs_vllms_kernels_as_a_forced_engine_would() -> None:
+    """bench --isa avx2 --kernels: vLLM's wna16 GEMM runs in its AVX2 form, not on AMX tiles (SIGILL)."""
+    env = {**os.environ, "SPARK_EDGE_FORCED_ISA": "avx2", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL_BENCH_CHILD], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    timed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "native_ms" in timed and "amx_ms" not in timed and "tiles_ms" not in timed

@@ -128,7 +128,12 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
     from spark_edge.formats import tinygemm_layout as tl
     from spark_edge.kernels import cpu_int4_op
     from spark_edge.kernels import native_int4 as ni
+    from spark_edge.plugin import register
 
+    # vLLM's kernels run here as in an engine, with its plugins (runtime fixes) applied: under a forced ISA
+    # torch.cpu then denies AMX, so vLLM's wna16 takes its vec form and _C_AVX2, not AMX tiles this process
+    # never asked the kernel for (SIGILL)
+    register()
     if not cpu_int4_op.register_ops():
         raise RuntimeError("the native int4 ops are not available on this host (see the warning above)")
     ops = torch.ops.spark_edge
