@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,18 @@ from spark_edge.bench.runner import format_table
 from spark_edge.probe.cpu_features import FORCED_ISA_FLAGS, X86_FEATURES, all_cpu_flags, probe_cpu_features
 
 X86_HOST = pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86 ISA")
+WIDER_THAN_AVX2 = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx512f", "avx2"} <= set(all_cpu_flags()) & set(X86_FEATURES),
+    reason="forcing AVX2 needs an x86 CPU wider than AVX2",
+)
+
+
+def _forced_child(code: str) -> Any:
+    """Run `code` in a child process forced to AVX2; the JSON of its last printed line."""
+    env = {**os.environ, "SPARK_EDGE_FORCED_ISA": "avx2", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_bad_forced_isa_is_refused_by_name() -> None:
@@ -81,16 +94,9 @@ print(json.dumps({
 """
 
 
-@X86_HOST
-@pytest.mark.skipif(
-    not {"avx512f", "avx2"} <= set(all_cpu_flags()) & set(X86_FEATURES), reason="forcing AVX2 needs a wider CPU"
-)
+@WIDER_THAN_AVX2
 def test_forced_avx2_reaches_vllms_extension_aten_inductor_and_our_library() -> None:
-    env = {**os.environ, "SPARK_EDGE_FORCED_ISA": "avx2", "VLLM_NO_USAGE_STATS": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {
+    assert _forced_child(CHILD) == {
         "extension": ["_C_AVX2.abi3.so"],
         "aten": "AVX2",
         "inductor": "avx2",
@@ -110,16 +116,8 @@ print(json.dumps(sorted(key for key in row if key.endswith("_ms"))))
 """
 
 
-@X86_HOST
-@pytest.mark.skipif(
-    not {"avx512f", "avx2"} <= set(all_cpu_flags()) & set(X86_FEATURES), reason="forcing AVX2 needs a wider CPU"
-)
+@WIDER_THAN_AVX2
 def test_the_kernel_bench_runs_vllms_kernels_as_a_forced_engine_would() -> None:
     """bench --isa avx2 --kernels: vLLM's wna16 GEMM runs in its AVX2 form, not on AMX tiles (SIGILL)."""
-    env = {**os.environ, "SPARK_EDGE_FORCED_ISA": "avx2", "VLLM_NO_USAGE_STATS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", KERNEL_BENCH_CHILD], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    timed = json.loads(done.stdout.strip().splitlines()[-1])
+    timed = _forced_child(KERNEL_BENCH_CHILD)
     assert "native_ms" in timed and "amx_ms" not in timed and "tiles_ms" not in timed
