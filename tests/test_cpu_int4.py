@@ -20,6 +20,7 @@ from spark_edge.formats import int4_asym as q4
 from spark_edge.formats import int8_rows
 from spark_edge.formats import tinygemm_layout as tl
 from spark_edge.formats.cpu_int4_config import CpuInt4Settings
+from spark_edge.probe.cpu_features import host_has_int8_dot
 from spark_edge.weight_paths import NAMES, writers
 from spark_edge.weight_paths.w4a16 import REPORT_NAME, write_w4a16
 
@@ -605,6 +606,8 @@ def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, he
         pytest.skip("no usable AMX here, or a vLLM without its AMX int8 GEMM")
     if kernel == "onednn" and not t8.onednn_int8_available():
         pytest.skip("this vLLM build has no oneDNN int8 matmul")
+    if kernel == "onednn" and not host_has_int8_dot():
+        pytest.skip("no integer dot products here: oneDNN's int8 matmul saturates (never chosen on such a CPU)")
     config = _config(embedding_bits=8)
     embed = VocabParallelEmbedding(vocab, hidden, quant_config=config, prefix="model.embed_tokens")
     head = ParallelLMHead(vocab, hidden, quant_config=config, prefix="lm_head").tie_weights(embed)
@@ -629,6 +632,17 @@ def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, he
         logits = head.quant_method.apply(head, x)
         assert logits.shape == (m, 1024) and float(logits[:, vocab:].abs().max()) == 0.0
         assert q4.snr_db(x.float() @ reference.t(), logits[:, :vocab].float()) > (40 if kernel == "int8pack" else 30)
+
+
+def test_the_head_takes_onednn_int8_only_with_integer_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VNNI (an AVX2 Zen 3, a Skylake-SP) oneDNN's int8 matmul saturates and crawls: torch's kernel serves."""
+    from spark_edge.vllm_methods import cpu_int8_table as t8
+
+    monkeypatch.setattr(t8, "amx_int8_available", lambda n, k: False)
+    monkeypatch.setattr(t8, "onednn_int8_available", lambda: True)
+    for vnni, kernel in ((True, "onednn"), (False, "int8pack")):
+        monkeypatch.setattr(t8, "host_has_int8_dot", lambda vnni=vnni: vnni)
+        assert t8.choose_kernel(49152, 576) == kernel
 
 
 def test_untied_8bit_head(vllm_tp1: None) -> None:

@@ -79,10 +79,12 @@ def test_resident_bf16_weights_follow_the_vocabulary_table_not_the_checkpoint(mo
     for shape, measured in ((SMOLLM2, 359 * MiB), (SMOLLM2_1_7B, 3649 * MiB)):
         planned = resident_weight_bytes(shape, "bf16", 32)
         assert measured <= planned < 1.15 * measured, (shape, planned / MiB)
-    # w4a16's 8-bit table: without AMX, oneDNN's int8 head packs its own copy of the codes beside the mapped rows
+    # w4a16's 8-bit table: on VNNI hosts without AMX, oneDNN's int8 head packs its own copy of the codes beside
+    # the mapped rows; AMX shares one packed table, and without integer dot products torch's kernel reads the rows
     table_copy = SMOLLM2_1_7B.vocab * SMOLLM2_1_7B.hidden
-    for amx, extra in ((True, 0), (False, table_copy)):
+    for amx, vnni, extra in ((True, True, 0), (False, True, table_copy), (False, False, 0)):
         monkeypatch.setattr(memory_plan, "host_has_amx_int8", lambda amx=amx: amx)
+        monkeypatch.setattr(memory_plan, "host_has_int8_dot", lambda vnni=vnni: vnni)
         assert resident_weight_bytes(SMOLLM2_1_7B, "w4a16", 32) == weight_bytes(SMOLLM2_1_7B, "w4a16", 32) + extra
     monkeypatch.setattr(memory_plan, "host_has_bf16_gemm", lambda: False)  # oneDNN converts bf16 itself
     assert resident_weight_bytes(SMOLLM2, "bf16", 32) > 2 * weight_bytes(SMOLLM2, "bf16", 32)

@@ -89,6 +89,7 @@ def test_sapphire_rapids_with_amx_and_no_measurement_gets_w4a16(tmp_path: Path) 
         "avx512vl",
         "avx512_bf16",
         "avx512_vnni",
+        "avx_vnni",
         "amx_tile",
         "amx_bf16",
         "amx_int8",

@@ -28,7 +28,7 @@ from spark_edge.planning import speculation
 from spark_edge.planning.kv_dtype import KV_DTYPE_BYTES
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
-from spark_edge.probe.cpu_features import host_has_amx_int8, host_has_bf16_gemm
+from spark_edge.probe.cpu_features import host_has_amx_int8, host_has_bf16_gemm, host_has_int8_dot
 from spark_edge.registry import weight_path as weight_path_spec
 
 MiB = 1 << 20
@@ -56,17 +56,23 @@ BF16_TABLE_COPIES = 2.6
 # spare; the cause (oneDNN per-shape weight conversions is the suspect) is not yet measured, nor how it scales,
 # so it stays a whole-checkpoint factor.
 BF16_FACTOR_WITHOUT_BF16_HARDWARE = 2.15
-# w4a16's 8-bit vocabulary table without AMX: oneDNN's int8 GEMM (the head) keeps its own packed copy of the
-# codes (anonymous) beside the mapped rows the embedding lookup reads. With AMX, vLLM's AMX int8 GEMM and the
-# lookup share one packed table (vllm_methods/cpu_int8_table.py).
+# w4a16's 8-bit vocabulary table on VNNI hosts without AMX: oneDNN's int8 GEMM (the head) keeps its own packed
+# copy of the codes (anonymous) beside the mapped rows the embedding lookup reads. With AMX, vLLM's AMX int8 GEMM
+# and the lookup share one packed table; without integer dot products PyTorch's kernel reads the rows themselves
+# (vllm_methods/cpu_int8_table.py).
 INT8_HEAD_COPIES = 1
+
+
+def int8_head_copies() -> int:
+    """Copies of the 8-bit table the head's GEMM keeps beside the rows, on this host."""
+    return INT8_HEAD_COPIES if host_has_int8_dot() and not host_has_amx_int8() else 0
 
 
 def resident_weight_bytes(shape: ModelShape, weight_path: str, group: int) -> int:
     """Weight bytes the server holds once loaded, on this host."""
     stored = weight_bytes(shape, weight_path, group)
     if weight_path == "w4a16":
-        return stored + (0 if host_has_amx_int8() else INT8_HEAD_COPIES * shape.vocab * shape.hidden)
+        return stored + int8_head_copies() * shape.vocab * shape.hidden
     if weight_path_spec(weight_path).quantization is not None:
         return stored
     if not host_has_bf16_gemm():

@@ -11,9 +11,11 @@ methods do), chosen at load:
 - `amx`: where the process may use AMX tiles, vLLM's `int8_scaled_mm_with_quant` (AMX/VNNI brgemm). Its packed
   weight (blocks of 32 rows, K in groups of 4, a compensation word a row) replaces the codes, and the lookup
   gathers its rows from that layout, checked against the codes once per process: one copy of the table.
-- `onednn`: elsewhere, vLLM's oneDNN int8 matmul (VNNI or AVX-512/AVX2 integer dot products). It keeps its own
-  packed copy of the codes beside the rows the lookup reads (the plan counts it: INT8_HEAD_COPIES).
-- `int8pack`: where vLLM's wheel has no oneDNN int8 matmul, PyTorch's `_weight_int8pack_mm` (bf16 activations).
+- `onednn`: elsewhere on CPUs with integer dot products (AVX512-VNNI, AVX-VNNI), vLLM's oneDNN int8 matmul. It
+  keeps its own packed copy of the codes beside the rows the lookup reads (the plan counts it: INT8_HEAD_COPIES).
+- `int8pack`: on CPUs without them (AVX2 before AVX-VNNI: Zen 3 and older, Haswell to Comet Lake; Skylake-SP),
+  where oneDNN's int8 matmul saturates and crawls (cpu_features.INT8_DOT_FEATURES), or where vLLM's wheel has
+  none, PyTorch's `_weight_int8pack_mm` (bf16 activations).
 
 On the default model (Intel Xeon AMX, one process), per-token int8 of the head's input cost x1.009
 perplexity over bf16 activations, and its GEMM took 0.73 ms (oneDNN) and 0.78 ms (AMX) cache-hot against
@@ -33,6 +35,8 @@ from torch.nn import Module
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.parameter import ChannelQuantScaleParameter, ModelWeightParameter
+
+from spark_edge.probe.cpu_features import host_has_int8_dot
 
 CODES, SCALE = "weight_int8", "weight_scale"
 KERNELS = ("amx", "onednn", "int8pack")
@@ -64,7 +68,7 @@ def amx_int8_available(n: int, k: int) -> bool:
 def choose_kernel(n: int, k: int) -> str:
     if amx_int8_available(n, k):
         return "amx"
-    return "onednn" if onednn_int8_available() else "int8pack"
+    return "onednn" if onednn_int8_available() and host_has_int8_dot() else "int8pack"
 
 
 def _amx_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
