@@ -749,7 +749,7 @@ def test_arm_w4a16_kernel_tests_pass_under_emulation(
         "python",
         *arm_cpuinfo,
     ]
-    # The W4A16 kernel: quantizer, tinygemm layout, the custom ops on the CPU (no vLLM engine).
+    # The W4A16 kernels: quantizer, tinygemm layout, the custom ops on the CPU, KleidiAI (no vLLM engine).
     selection = "not vllm_tp1 and not registered and not plugin and not writer"
     with engine_lock():
         result = run_once(
@@ -761,6 +761,7 @@ def test_arm_w4a16_kernel_tests_pass_under_emulation(
                 "-p",
                 "no:cacheprovider",
                 "tests/test_cpu_int4.py",
+                "tests/test_kleidiai_int4.py",
                 "-k",
                 selection,
                 "-o",

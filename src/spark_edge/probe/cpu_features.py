@@ -205,3 +205,8 @@ def host_has_amx_int8() -> bool:
     """Whether this CPU has AMX int8 tiles (vLLM's AMX int8 GEMM serves w4a16's 8-bit head there)."""
     return "amx_int8" in probe_cpu_features(Path("/"), platform.machine()).names
 
+
+@functools.cache
+def host_has_arm_dotprod() -> bool:
+    """Whether this arm64 CPU has the int8 dot product (SDOT, ARMv8.2+): KleidiAI's least int4 kernel needs it."""
+    return "asimddp" in probe_cpu_features(Path("/"), platform.machine()).names

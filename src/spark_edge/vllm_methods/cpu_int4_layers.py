@@ -11,6 +11,8 @@ vLLM's own loaders shard them and stack q/k/v and gate/up into the merged layers
 After loading, each layer builds the tinygemm kernel buffer (in 2048-row chunks) and its
 [G, N, 2] scales_and_zeros; with direct_dequant (default) the row-major tensors are then
 freed, and the multi-row GEMM and the embedding lookup decode the kernel buffer itself.
+On arm64 with KleidiAI (kernels/kleidiai_int4.py) a linear layer builds KleidiAI's packed
+weight and its zeros instead, and every GEMM of the layer runs there.
 
 The tied embedding / LM head is quantized once: the head's quant method `tie_weights`
 shares the embedding's parameters, and after loading shares its kernel buffers too.
@@ -38,12 +40,15 @@ from spark_edge.formats.tinygemm_layout import (
     scales_and_zeros,
 )
 from spark_edge.kernels.cpu_int4_op import NAMESPACE, check_activation_dtype, native_linear_available, register_ops
+from spark_edge.kernels.kleidiai_int4 import kleidiai_available, kleidiai_fits, kleidiai_linear, pack_weight, zeros_term
 
 register_ops()
 
 CHECKPOINT_PARAMS = ("weight_packed", "weight_scale", "weight_zero")
 KERNEL_WEIGHT = "int4_weight"  # the tinygemm buffer, uint8 [N, K/2]
 KERNEL_SCALES_ZEROS = "int4_scales_zeros"  # bf16 [G, N, 2]
+KLEIDIAI_WEIGHT = "kleidiai_weight"  # KleidiAI's packed weight (uint8 on arm64, the reference's float32 elsewhere)
+KLEIDIAI_ZEROS = "kleidiai_zeros_t"  # bf16 [K/g, N]
 _READY = "_cpu_int4_ready"
 _NATIVE = "_cpu_int4_native"  # the C++ int4_linear serves this layer: decided at load, a constant when traced
 _TIED_TO = "_cpu_int4_tied_to"
@@ -84,9 +89,13 @@ def _create_checkpoint_params(layer: Module, n: int, k: int, group_size: int, we
         )
 
 
-def build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
-    """Once per layer: tinygemm buffer + scales_and_zeros; free the row-major copy if unused."""
+def build_kernel_buffers(layer: Module, settings: CpuInt4Settings, lookup: bool = False) -> None:
+    """Once per layer: KleidiAI's weight (a linear on arm64, where it fits) or the tinygemm buffer +
+    scales_and_zeros (also what a table's `lookup` reads); free the row-major copy if unused."""
     if getattr(layer, _READY, False):
+        return
+    if not lookup and settings.direct_dequant and uses_kleidiai(layer, settings.group_size):
+        _build_kleidiai_buffers(layer, settings.group_size)
         return
     if settings.direct_dequant:
         detect_layout()  # decoding the buffer relies on its measured layout (raises if unknown)
@@ -101,6 +110,22 @@ def build_kernel_buffers(layer: Module, settings: CpuInt4Settings) -> None:
     setattr(layer, _READY, True)
 
 
+def uses_kleidiai(layer: Module, group_size: int) -> bool:
+    """Whether this layer's GEMMs run on KleidiAI: arm64 with it, and a shape its groupwise kernel takes."""
+    k = layer.weight_packed.shape[1] * 2
+    return kleidiai_available() and kleidiai_fits(k, group_size)
+
+
+def _build_kleidiai_buffers(layer: Module, group_size: int) -> None:
+    weight = pack_weight(layer.weight_packed.data, layer.weight_scale.data, group_size)
+    zeros_t = zeros_term(layer.weight_zero.data)
+    setattr(layer, KLEIDIAI_WEIGHT, Parameter(weight, requires_grad=False))
+    setattr(layer, KLEIDIAI_ZEROS, Parameter(zeros_t, requires_grad=False))
+    for name in CHECKPOINT_PARAMS:
+        delattr(layer, name)
+    setattr(layer, _READY, True)
+
+
 def _rowmajor(layer: Module) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The row-major tensors a layer kept (direct_dequant false), else Nones."""
     if not hasattr(layer, "weight_packed"):
@@ -110,8 +135,13 @@ def _rowmajor(layer: Module) -> tuple[torch.Tensor | None, torch.Tensor | None, 
 
 def apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     check_activation_dtype(x)
-    weight = getattr(layer, KERNEL_WEIGHT)
     x2 = x.reshape(-1, x.shape[-1])
+    if hasattr(layer, KLEIDIAI_WEIGHT):  # decided at load: a constant when traced
+        zeros_t = getattr(layer, KLEIDIAI_ZEROS)
+        out = kleidiai_linear(x2, getattr(layer, KLEIDIAI_WEIGHT), zeros_t, group_size, zeros_t.shape[1])
+        out = out.reshape(*x.shape[:-1], zeros_t.shape[1])
+        return out if bias is None else out + bias
+    weight = getattr(layer, KERNEL_WEIGHT)
     ops = getattr(torch.ops, NAMESPACE)
     if getattr(layer, _NATIVE):  # the C++ op: no Python in the compiled graph's call
         out = ops.int4_linear(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size)
@@ -174,7 +204,7 @@ class CpuInt4EmbeddingMethod(_CpuInt4Weights, QuantizeMethodBase):
     def process_weights_after_loading(self, layer: Module) -> None:
         source = getattr(layer, _TIED_TO, None)
         if source is None:
-            build_kernel_buffers(layer, self.settings)
+            build_kernel_buffers(layer, self.settings, lookup=True)
             return
         # build once (in whichever order vLLM visits the two), then share every tensor
         source.quant_method.process_weights_after_loading(source)
