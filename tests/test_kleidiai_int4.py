@@ -130,14 +130,24 @@ def test_a_table_keeps_the_buffer_its_lookup_reads(kleidiai_here: None) -> None:
     assert hasattr(layer, layers.KERNEL_WEIGHT) and not hasattr(layer, layers.KLEIDIAI_WEIGHT)
 
 
-def test_kleidiai_can_be_disabled_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kleidiai_can_be_disabled_by_name_and_the_compile_cache_stamp_says_which_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graph traced with KleidiAI's ops must never load where they are off (runtime/compile_cache.py)."""
+    from spark_edge.kernels import native_switch
+    from spark_edge.runtime.compile_cache import cache_stamp
+
     monkeypatch.setenv(DISABLED_KERNELS.name, "kleidiai")
     monkeypatch.setattr(kai.torch.backends.kleidiai, "is_available", lambda: True)
-    monkeypatch.setattr(kai.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(kai, "host_has_arm_dotprod", lambda: True)
-    assert not kai.kleidiai_available()
+    monkeypatch.setattr(native_switch.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native_switch, "host_has_arm_dotprod", lambda: True)
+    off = cache_stamp(["asimd"], "w4a16")["int4_ops"]
+    assert not kai.kleidiai_available() and "kleidiai" not in off
     monkeypatch.delenv(DISABLED_KERNELS.name)
-    assert kai.kleidiai_available()
+    on = cache_stamp(["asimd"], "w4a16")["int4_ops"]
+    assert kai.kleidiai_available() and on == f"{off}+kleidiai"
+    monkeypatch.setattr(native_switch, "host_has_arm_dotprod", lambda: False)  # ARMv8.0: no SDOT
+    assert not kai.kleidiai_available()
 
 
 @pytest.mark.skipif(not ON_ARM, reason="KleidiAI's kernels run on arm64 only (x86 runs torch's reference ops)")

@@ -21,12 +21,9 @@ there against float64, and the kernels themselves under qemu in the arm64 image.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 
-from spark_edge.environment import kernel_enabled
-from spark_edge.probe.cpu_features import host_has_arm_dotprod
+from spark_edge.kernels.native_switch import kleidiai_wanted
 
 KLEIDIAI_GROUP_MULTIPLE = 32  # KleidiAI's groupwise kernels take groups of a multiple of 32
 
@@ -35,12 +32,7 @@ def kleidiai_available() -> bool:
     """Whether torch runs KleidiAI's kernels here (an aarch64 build that has them, a CPU with SDOT: torch picks
     the i8mm kernel itself where the CPU has that too), and nobody disabled them. ARMv8.0 cores (Cortex-A72,
     A53) keep tinygemm rows and dequantization, as before."""
-    return (
-        platform.machine() in ("aarch64", "arm64")
-        and torch.backends.kleidiai.is_available()
-        and host_has_arm_dotprod()
-        and kernel_enabled("kleidiai")
-    )
+    return kleidiai_wanted() and torch.backends.kleidiai.is_available()
 
 
 def kleidiai_fits(k: int, group_size: int) -> bool:

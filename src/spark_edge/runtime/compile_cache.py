@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from spark_edge.environment import RUN_DIR
-from spark_edge.kernels.native_switch import native_ops_wanted
+from spark_edge.kernels.native_switch import int4_ops_form
 
 _LOG = logging.getLogger("vllm.spark_edge.compile_cache")
 
@@ -74,9 +74,9 @@ def cache_stamp(features: list[str], weight_path: str) -> dict[str, Any]:
         "torch": _distribution_version("torch"),
         "vllm": _distribution_version("vllm"),
         "weight_path": weight_path,
-        # the cpu_int4 layers call the C++ int4_linear where it can be built, the Python op elsewhere:
-        # a graph compiled with one must never be loaded where the other serves
-        "int4_ops": "native" if native_ops_wanted() else "torch",
+        # the cpu_int4 layers call the C++ int4_linear where it can be built, the Python op elsewhere, and on
+        # arm64 KleidiAI's for the linears: a graph compiled with one must never be loaded where another serves
+        "int4_ops": int4_ops_form(),
     }
 
 
