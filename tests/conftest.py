@@ -12,6 +12,8 @@ import pytest
 import requests
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+from spark_edge.probe.device import probe_device
+from spark_edge.probe.isa import has_avx512
 from spark_edge.serving.server_process import ServerProcess, free_port
 from spark_edge.weight_paths.builder import build_checkpoint
 
@@ -220,9 +222,17 @@ def w4a16_server(
 
 
 @pytest.fixture(scope="session")
+def w4a8_runs_here() -> None:
+    """Before any server starts: vLLM's _C_AVX2 has no GPTQ kernel, and serve refuses w4a8 there (exit 4,
+    tests/test_probe.py)."""
+    if not has_avx512(probe_device(Path("/"))):
+        pytest.skip("no AVX-512: vLLM's _C_AVX2 has no GPTQ kernel, and serve refuses w4a8 (exit 4)")
+
+
+@pytest.fixture(scope="session")
 def w4a8_server(
-    spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory
+    w4a8_runs_here: None, spark_edge_home: Path, bf16_server: Server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     """`spark-edge serve --weight-path w4a8`: vLLM's GPTQ path (the AMX W4A8 kernel where AMX is usable,
-    its W4A16 vector kernel elsewhere)."""
+    its W4A16 vector kernel elsewhere with AVX-512)."""
     yield from running_server("w4a8_server", ["--weight-path", "w4a8"], spark_edge_home, tmp_path_factory)

@@ -144,6 +144,16 @@ def test_haswell_avx2_only_gets_w4a16_on_the_avx2_kernels(tmp_path: Path) -> Non
     assert any("no native bf16" in note for note in choice.notes)
 
 
+def test_w4a8_is_refused_without_avx512_before_vllm_loads(tmp_path: Path) -> None:
+    """vLLM's _C_AVX2 has no GPTQ kernel (cpu_gemm_wna16): on an AMD EPYC Zen 3 the engine died at its first
+    forward with an AttributeError; now serve exits 4 naming w4a16."""
+    profile = probe_device(device_tree(tmp_path, "haswell"), machine="x86_64")
+    with pytest.raises(UnsupportedHostError, match="w4a8 runs vLLM's GPTQ kernels.*serve w4a16"):
+        select_weight_path(profile, explicit="w4a8")
+    zen4 = probe_device(device_tree(tmp_path / "zen4", "zen4"), machine="x86_64")
+    assert select_weight_path(zen4, explicit="w4a8").name == "w4a8"  # its W4A16 vector kernel, with a note
+
+
 def test_sandy_bridge_without_avx2_is_refused(tmp_path: Path) -> None:
     profile = probe_device(device_tree(tmp_path, "sandy_bridge"), machine="x86_64")
     assert profile.features == set()  # avx only: none of the flags vLLM's kernels need

@@ -6,7 +6,8 @@
   where they were scored (the default model, x1.571 bf16's perplexity). `--priority fidelity`: w4a16.
 - x86-64 with AVX-512 or AVX2: w4a16.
 - arm64 with NEON: w4a16, unverified: no spark-edge path has run on real ARM hardware yet.
-- An explicit weight path wins, unless the host cannot run it; a note says when it failed the gate.
+- An explicit weight path wins, unless the host cannot run it (w4a8 without AVX-512: vLLM's _C_AVX2 has no GPTQ
+  kernel); a note says when it failed the gate.
 
 `verified` says whether the path has been run on this class of CPU, not whether it will load.
 """
@@ -111,6 +112,13 @@ def _explicit(profile: DeviceProfile, name: str) -> WeightPathChoice:
     path = registry.weight_path(name)
     if profile.machine not in path.machines:
         raise UnsupportedHostError(path.elsewhere)
+    if name == "w4a8" and not has_avx512(profile):
+        # vLLM's AVX2 build of its CPU ops (_C_AVX2), which it loads on such CPUs, has none of the GPTQ kernels
+        # (neither int4_scaled_mm_cpu nor cpu_gemm_wna16): the engine would die at its first forward
+        raise UnsupportedHostError(
+            "w4a8 runs vLLM's GPTQ kernels, which its build for CPUs without AVX-512 (_C_AVX2) lacks, and this "
+            "CPU has no AVX-512: serve w4a16 (spark-edge's int4 kernels have an AVX2 path)"
+        )
     if name == "w4a8" and not amx_w4a8_ready(profile):
         # vLLM runs a w4a8 (GPTQ) checkpoint without AMX through its W4A16 vector kernel: it
         # works, but it is not the AMX path, so say so rather than refuse (benchmarks use it).
