@@ -71,7 +71,7 @@ def test_every_kernel_name_is_an_op_of_the_native_library_or_torchs_kleidiai() -
         if kernel != "kleidiai":
             assert re.search(rf"\b{kernel}\(", sources), kernel
     assert environment.KERNELS[0] == "spark_edge_int4"
-    assert 'kernel_enabled("kleidiai")' in (SRC / "kernels" / "kleidiai_int4.py").read_text()
+    assert 'kernel_enabled("kleidiai")' in (SRC / "kernels" / "native_switch.py").read_text()
 
 
 @pytest.mark.parametrize(
