@@ -222,6 +222,15 @@ def w4a16_server(
 
 
 @pytest.fixture(scope="session")
+def vllm_gptq_kernel() -> None:
+    """vLLM's GPTQ CPU kernel (cpu_gemm_wna16) as vLLM loads its ops here: its AVX2 build (_C_AVX2) has none."""
+    from spark_edge.bench.kernels import vllm_wna16_available
+
+    if not vllm_wna16_available():
+        pytest.skip("vLLM's CPU ops on this CPU (_C_AVX2: no AVX-512) have no GPTQ kernel (cpu_gemm_wna16)")
+
+
+@pytest.fixture(scope="session")
 def w4a8_runs_here() -> None:
     """Before any server starts: vLLM's _C_AVX2 has no GPTQ kernel, and serve refuses w4a8 there (exit 4,
     tests/test_probe.py)."""

@@ -356,7 +356,9 @@ def test_full_size_fused_qkv_through_vllm_cpu_int4_loader_and_kernels(vllm_tp1: 
         assert _snr_db(x.double() @ exact.t(), out) > bound, (rows, kernel_for(rows, 3072, 2048, group=128))
 
 
-def test_full_size_split_qkv_loads_into_vllm_gptq(vllm_tp1: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_size_split_qkv_loads_into_vllm_gptq(
+    vllm_gptq_kernel: None, vllm_tp1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The w4a8 export of a 1.7B q_k_v_proj (split q 2048 / k 512 / v 512 rows) loads into vLLM's GPTQ
     QKVParallelLinear and its CPU kernel computes the exported weight (AMX W4A8 where available)."""
     from vllm.model_executor.layers.linear import QKVParallelLinear

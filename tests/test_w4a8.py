@@ -659,7 +659,7 @@ def test_amx_w4a8_kernel_runs_the_export(
     ids=["isa-amx", "isa-vec"],
 )
 def test_w4a16_fallback_kernel_runs_the_export(
-    vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch, amx: bool
+    vllm_gptq_kernel: None, vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
     tensors = tiny_tied["tensors"]
     results = _run_vllm(tensors, monkeypatch, w4a8=False, amx=amx)
@@ -670,7 +670,7 @@ def test_w4a16_fallback_kernel_runs_the_export(
 
 
 def test_without_amx_vllm_never_picks_w4a8(
-    vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    vllm_gptq_kernel: None, vllm_tp1: None, tiny_tied: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     results = _run_vllm(tiny_tied["tensors"], monkeypatch, w4a8=True, amx=False)
     assert not any(layer.use_w4a8 for layer, _, _ in results.values())
