@@ -12,8 +12,9 @@ import pytest
 import requests
 
 from spark_edge.checkpoints.default_model import DEFAULT_MODEL_ID
+from spark_edge.errors import UnsupportedHostError
 from spark_edge.probe.device import probe_device
-from spark_edge.probe.isa import has_avx512
+from spark_edge.probe.weight_path_choice import select_weight_path
 from spark_edge.serving.server_process import ServerProcess, free_port
 from spark_edge.weight_paths.builder import build_checkpoint
 
@@ -232,10 +233,12 @@ def vllm_gptq_kernel() -> None:
 
 @pytest.fixture(scope="session")
 def w4a8_runs_here() -> None:
-    """Before any server starts: vLLM's _C_AVX2 has no GPTQ kernel, and serve refuses w4a8 there (exit 4,
-    tests/test_probe.py)."""
-    if not has_avx512(probe_device(Path("/"))):
-        pytest.skip("no AVX-512: vLLM's _C_AVX2 has no GPTQ kernel, and serve refuses w4a8 (exit 4)")
+    """Before any server starts: where serve refuses w4a8 (exit 4; without AVX-512, vLLM's _C_AVX2 has no GPTQ
+    kernel: tests/test_probe.py), its reason skips the w4a8 server's tests."""
+    try:
+        select_weight_path(probe_device(Path("/")), explicit="w4a8")
+    except UnsupportedHostError as refused:
+        pytest.skip(f"serve refuses w4a8 here: {refused}")
 
 
 @pytest.fixture(scope="session")

@@ -136,18 +136,16 @@ def _rowmajor(layer: Module) -> tuple[torch.Tensor | None, torch.Tensor | None, 
 def apply_linear(layer: Module, x: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     check_activation_dtype(x)
     x2 = x.reshape(-1, x.shape[-1])
-    if hasattr(layer, KLEIDIAI_WEIGHT):  # decided at load: a constant when traced
+    ops = getattr(torch.ops, NAMESPACE)
+    if hasattr(layer, KLEIDIAI_WEIGHT):  # decided at load, as _NATIVE: constants when traced
         zeros_t = getattr(layer, KLEIDIAI_ZEROS)
         out = kleidiai_linear(x2, getattr(layer, KLEIDIAI_WEIGHT), zeros_t, group_size, zeros_t.shape[1])
-        out = out.reshape(*x.shape[:-1], zeros_t.shape[1])
-        return out if bias is None else out + bias
-    weight = getattr(layer, KERNEL_WEIGHT)
-    ops = getattr(torch.ops, NAMESPACE)
-    if getattr(layer, _NATIVE):  # the C++ op: no Python in the compiled graph's call
-        out = ops.int4_linear(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size)
+    elif getattr(layer, _NATIVE):  # the C++ op: no Python in the compiled graph's call
+        out = ops.int4_linear(x2, getattr(layer, KERNEL_WEIGHT), getattr(layer, KERNEL_SCALES_ZEROS), group_size)
     else:
-        out = ops.cpu_int4_linear(x2, weight, getattr(layer, KERNEL_SCALES_ZEROS), group_size, *_rowmajor(layer))
-    out = out.reshape(*x.shape[:-1], weight.shape[0])
+        weight, scales_zeros = getattr(layer, KERNEL_WEIGHT), getattr(layer, KERNEL_SCALES_ZEROS)
+        out = ops.cpu_int4_linear(x2, weight, scales_zeros, group_size, *_rowmajor(layer))
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 
