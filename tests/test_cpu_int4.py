@@ -591,12 +591,12 @@ def _load_int8(layer: torch.nn.Module, q: int8_rows.Int8Rows) -> None:
         param.weight_loader(param, tensor)
 
 
-@pytest.mark.parametrize("kernel", ["amx", "onednn", "int8pack"])
+@pytest.mark.parametrize("kernel", ["amx", "onednn", "native", "int8pack"])
 @pytest.mark.parametrize("head_first", [False, True])
 def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, head_first: bool) -> None:
     """embedding_bits 8: the lookup decodes the rows exactly (from vLLM's packed layout on AMX); the head's GEMM
-    is vLLM's AMX or oneDNN int8 (per-token int8 activations, ~1% of the result's norm) or torch's int8pack
-    (bf16 activations)."""
+    is vLLM's AMX or oneDNN int8 (per-token int8 activations, ~1% of the result's norm), spark-edge's own (int8 per
+    32-K block) or torch's int8pack (bf16 activations)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     from spark_edge.vllm_methods import cpu_int8_table as t8
@@ -608,6 +608,8 @@ def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, he
         pytest.skip("this vLLM build has no oneDNN int8 matmul")
     if kernel == "onednn" and not host_has_int8_dot():
         pytest.skip("no integer dot products here: oneDNN's int8 matmul saturates (never chosen on such a CPU)")
+    if kernel == "native" and not t8.native_int8_available(hidden):
+        pytest.skip("spark-edge's C++ library has no vector int8_rows_gemm here (no AVX2, or it is disabled)")
     config = _config(embedding_bits=8)
     embed = VocabParallelEmbedding(vocab, hidden, quant_config=config, prefix="model.embed_tokens")
     head = ParallelLMHead(vocab, hidden, quant_config=config, prefix="lm_head").tie_weights(embed)
@@ -635,14 +637,20 @@ def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, he
 
 
 def test_the_head_takes_onednn_int8_only_with_integer_dot_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without VNNI (an AVX2 Zen 3, a Skylake-SP) oneDNN's int8 matmul saturates and crawls: torch's kernel serves."""
+    """Without VNNI (an AVX2 Zen 3, a Skylake-SP) oneDNN's int8 matmul saturates and crawls: spark-edge's own
+    kernel serves where the library has its vector form, torch's elsewhere or where it is disabled."""
+    from spark_edge.environment import DISABLED_KERNELS
     from spark_edge.vllm_methods import cpu_int8_table as t8
 
     monkeypatch.setattr(t8, "amx_int8_available", lambda n, k: False)
     monkeypatch.setattr(t8, "onednn_int8_available", lambda: True)
-    for vnni, kernel in ((True, "onednn"), (False, "int8pack")):
+    native = t8.native_int8_available(576)
+    for vnni, kernel in ((True, "onednn"), (False, "native" if native else "int8pack")):
         monkeypatch.setattr(t8, "host_has_int8_dot", lambda vnni=vnni: vnni)
         assert t8.choose_kernel(49152, 576) == kernel
+    assert t8.choose_kernel(49152, 560) == "int8pack"  # K not a multiple of the 32-K activation block
+    monkeypatch.setenv(DISABLED_KERNELS.name, "int8_rows_gemm")
+    assert t8.choose_kernel(49152, 576) == "int8pack"
 
 
 def test_untied_8bit_head(vllm_tp1: None) -> None:

@@ -400,6 +400,49 @@ def test_gemm_q8_integer_accumulation_is_exact(ops: object, form: str, layout: t
         _configure_host()
 
 
+@pytest.mark.parametrize("n,k", [(64, 576), (83, 96), (8, 2048), (5, 64)])
+def test_int8_rows_gemm_matches_its_float64_reference(ops: object, n: int, k: int) -> None:
+    """The 8-bit table's head: integer dots per 32-K block exact, fp32 scaling and the bf16 result within the
+    int4 decode kernel's bounds, for every row count; 8-channel passes, a tail of 3 and a table under 8 rows."""
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) * 0.01 + 1e-4
+    exact = codes.double() * scale.double().unsqueeze(1)
+    for m in ROWS:
+        x = torch.randn(m, k).to(BF16)
+        got = ops.int8_rows_gemm(x, codes, scale)
+        assert got.shape == (m, n) and got.dtype == BF16
+        magnitude = x.double().abs() @ exact.abs().t()
+        assert ni.gemm_q8_within_tolerance(got, ni.int8_rows_reference(x, codes, scale), magnitude), (m, n, k)
+        full = x.double() @ exact.t()
+        assert (got.double() - full).norm() <= 0.03 * full.norm(), (m, n, k)
+
+
+def test_int8_rows_gemm_integer_accumulation_is_exact(ops: object) -> None:
+    """Codes at both ends of [-127, 127] against activations whose int8 quantization is exact (127 in every
+    32-block): the integer dot product itself, up to its rounding to bf16 (no int16 pair saturates)."""
+    n, k = 40, 256
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    codes[:8] = torch.tensor([127, -127], dtype=torch.int8).repeat(k // 2)
+    for m in (1, 3, 16):
+        x = torch.randint(-127, 128, (m, k))
+        x[:, ::32] = 127
+        x[0, 1::2] = -127  # with codes[:8]: every pair at its extreme
+        x = x.to(BF16)
+        exact = (x.double() @ codes.double().t()).to(BF16)
+        assert torch.equal(ops.int8_rows_gemm(x, codes, torch.ones(n)), exact)
+
+
+def test_int8_rows_gemm_refuses_what_it_cannot_take(ops: object) -> None:
+    x, codes, scale = torch.randn(2, 64).to(BF16), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16)
+    assert ops.int8_rows_gemm(x[:0], codes, scale).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.int8_rows_gemm(torch.randn(2, 48).to(BF16), torch.zeros(16, 48, dtype=torch.int8), scale)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.int8_rows_gemm(x.float(), codes, scale)
+    with pytest.raises(RuntimeError, match="K must match"):
+        ops.int8_rows_gemm(x, codes[:, :32].contiguous(), scale)
+
+
 def test_int4_linear_takes_the_q8_kernel_for_decode_rows(ops: object) -> None:
     layout = tl.detect_layout()
     n, k, g = 576, 256, 32

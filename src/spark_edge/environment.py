@@ -86,7 +86,8 @@ DISABLED_KERNELS = Variable(
     "`spark_edge_int4` (the whole C++ library: torch's ops serve), `int4_gemm` (every native GEMM: tinygemm "
     "rows, dequantization + oneDNN), `int4_gemm_q8` (decode on fp32 activations), `int4_gemm_bf16` and "
     "`int4_gemm_amx` (prefill on dequantization + oneDNN), `kleidiai` (arm64: the linears on tinygemm rows and "
-    "dequantization instead of KleidiAI).",
+    "dequantization instead of KleidiAI), `int8_rows_gemm` (the 8-bit head on PyTorch's `_weight_int8pack_mm` where "
+    "no integer dot product serves it).",
     "",
 )
 FORCED_ISA = Variable(
@@ -128,7 +129,15 @@ IMAGE = Variable("SPARK_EDGE_IMAGE", BUILD, "deploy/compose: the image for this 
 
 VARIABLES: tuple[Variable, ...] = tuple(v for v in globals().values() if isinstance(v, Variable))
 
-KERNELS = ("spark_edge_int4", "int4_gemm", "int4_gemm_q8", "int4_gemm_bf16", "int4_gemm_amx", "kleidiai")
+KERNELS = (
+    "spark_edge_int4",
+    "int4_gemm",
+    "int4_gemm_q8",
+    "int4_gemm_bf16",
+    "int4_gemm_amx",
+    "kleidiai",
+    "int8_rows_gemm",
+)
 
 # retired variable -> what replaced it
 RETIRED = {

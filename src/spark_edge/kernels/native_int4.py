@@ -15,6 +15,8 @@
 - `int4_embedding(ids, weight, scales_zeros, group)`: rows of a quantized embedding table (tied to the head or
   not), read from its kernel buffer (native/int4_dequant.cpp), so the token lookup is one C++ call in the
   compiled graph, not a dozen torch ops.
+- `int8_rows_gemm(x, codes, scale)`: w4a16's 8-bit vocabulary head on CPUs without integer dot products
+  (native/int8_rows_gemm.cpp; vllm_methods/cpu_int8_table.py chooses it).
 
 The library is compiled once per host with the C++ compiler Inductor already needs (`-march=native`,
 against the running torch's headers and libraries) into the data folder, under a key of the sources, the
@@ -64,6 +66,7 @@ SOURCES = tuple(
         "int4_gemm_bf16.cpp",
         "int4_gemm_amx.cpp",
         "int4_dequant.cpp",
+        "int8_rows_gemm.cpp",
     )
 )
 HEADERS = tuple(
@@ -220,6 +223,10 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return scales_zeros.new_empty((ids.shape[0], weight.shape[1] * 2))
 
+    @torch.library.register_fake("spark_edge::int8_rows_gemm")
+    def _int8_rows_fake(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], codes.shape[0]))
+
     @torch.library.register_fake("spark_edge::int4_dequant_t")
     def _dequant_fake(weight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
         return scales_zeros.new_empty((weight.shape[1] * 2, weight.shape[0]))
@@ -263,6 +270,15 @@ def gemm_q8_reference(
     return (scaled * s.unsqueeze(0)).sum(dim=2) + xsum @ (z - 8 * s).t()
 
 
+def int8_rows_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 of what int8_rows_gemm computes: integer dots of the int8 activations and the table's codes
+    [N, K] per 32-K block, times the block's d, then the row's scale [N]."""
+    xq, d = quantize_activations(x)
+    m, k = x.shape
+    dots = torch.einsum("mbi,nbi->mnb", xq.double().reshape(m, -1, 32), codes.double().reshape(codes.shape[0], -1, 32))
+    return (dots * d.double().unsqueeze(1)).sum(dim=2) * scale.double()
+
+
 def gemm_q8_within_tolerance(got: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor) -> bool:
     """The integer part is exact, so what is left is fp32 scaling and accumulation (2^-12 of the magnitude
     sum_k |x_k w_k|) and the final rounding to bf16 (2^-8 relative)."""
@@ -270,9 +286,9 @@ def gemm_q8_within_tolerance(got: torch.Tensor, reference: torch.Tensor, magnitu
 
 
 def _self_check() -> None:
-    """The dequantization bit-exact, the GEMM within its tolerance of float64, on full blocks plus a
+    """The dequantization bit-exact, the GEMMs within their tolerance of float64, on full blocks plus a
     16-channel tail (in every known layout: 80 = 64 + 16 = 2 x 32 + 16 = 5 x 16), several groups, row
-    counts on both sides of the vector path's 8-row tile."""
+    counts on both sides of the vector path's 8-row tile; the 8-bit table's GEMM on 10 passes and a tail."""
     from spark_edge.formats.int4_asym import dequantize
     from spark_edge.formats.tinygemm_layout import (
         dequantize_kernel_weight,
@@ -319,6 +335,12 @@ def _self_check() -> None:
                 raise _Unavailable(
                     f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the float64 reference"
                 )
+    table = torch.randint(-127, 128, (n + 3, k), dtype=torch.int8, generator=gen)  # 8-channel passes and a tail
+    row_scale = torch.rand(n + 3, generator=gen) * 0.01 + 1e-4
+    magnitude = x.double().abs() @ (table.double().abs() * row_scale.double().unsqueeze(1)).t()
+    got = ops.int8_rows_gemm(x, table, row_scale)
+    if not gemm_q8_within_tolerance(got, int8_rows_reference(x, table, row_scale), magnitude):
+        raise _Unavailable("the compiled 8-bit table GEMM disagrees with the float64 reference")
 
 
 @functools.cache

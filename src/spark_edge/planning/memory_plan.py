@@ -58,8 +58,8 @@ BF16_TABLE_COPIES = 2.6
 BF16_FACTOR_WITHOUT_BF16_HARDWARE = 2.15
 # w4a16's 8-bit vocabulary table on VNNI hosts without AMX: oneDNN's int8 GEMM (the head) keeps its own packed
 # copy of the codes (anonymous) beside the mapped rows the embedding lookup reads. With AMX, vLLM's AMX int8 GEMM
-# and the lookup share one packed table; without integer dot products PyTorch's kernel reads the rows themselves
-# (vllm_methods/cpu_int8_table.py).
+# and the lookup share one packed table; without integer dot products spark-edge's kernel (or PyTorch's) reads the
+# rows themselves (vllm_methods/cpu_int8_table.py).
 INT8_HEAD_COPIES = 1
 
 

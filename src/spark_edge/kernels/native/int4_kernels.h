@@ -64,4 +64,13 @@ bool int4_gemm_q8(const uint16_t *x, int64_t m, const uint8_t *buf, const uint16
 /* int8 codes xq [M][K] and per-32-K-block scales d [M][K/32] of bf16 activations x [M][K]. */
 void quantize_activations(const uint16_t *x, int64_t m, int64_t k, int8_t *xq, float *d);
 
+/* The 8-bit vocabulary table's GEMM (int8_rows_gemm.cpp): out bf16 [M][N] = x bf16 [M][K] @ (codes int8 [N][K] *
+ * scale fp32 [N])^T, the activations quantized to int8 per row and 32-K block; false if K is not a multiple of 32
+ * or the scratch could not be allocated. */
+bool int8_rows_gemm(const uint16_t *x, int64_t m, const int8_t *codes, const float *scale, uint16_t *out, int64_t n,
+                    int64_t k);
+
+/* Whether int8_rows_gemm has its vector form in this build (AVX2), else its portable loop runs. */
+bool int8_rows_gemm_vectorized();
+
 }  // namespace spark_edge

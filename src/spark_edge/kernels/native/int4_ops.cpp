@@ -11,7 +11,8 @@
  *   tinygemm ATen's _weight_int4pack_mm_for_cpu, one row per call (never several: AMX tile state);
  *   dequant  the whole weight to bf16 W^T in one pass (int4_dequant.cpp), then ATen's mm (oneDNN).
  * int4_embedding reads a quantized embedding table's rows from its buffer (int4_dequant.cpp), so the token lookup
- * is one C++ call in the compiled graph too.
+ * is one C++ call in the compiled graph too. int8_rows_gemm is the 8-bit vocabulary table's head where no
+ * integer dot product serves it (int8_rows_gemm.cpp); it needs no policy.
  * That choice is made in one place, choose_kernel; int4_kernel_for reports it for a policy and a shape (what
  * cpu_int4_op.kernel_for, the bench and the tests read), so no mirror of it exists elsewhere.
  * The fake (meta) implementation is registered from Python (native_int4.py).
@@ -205,6 +206,28 @@ at::Tensor int4_embedding_op(const at::Tensor &ids_in, const at::Tensor &weight,
     return out;
 }
 
+/* x bf16 [M, K] @ (codes int8 [N, K] * scale fp32 [N])^T -> bf16 [M, N]. */
+at::Tensor int8_rows_gemm_op(const at::Tensor &x_in, const at::Tensor &codes, const at::Tensor &scale) {
+    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "int8_rows_gemm: x must be 2-D bfloat16, got ",
+                x_in.scalar_type(), " ", x_in.sizes());
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "int8_rows_gemm: codes "
+                "must be contiguous int8 [N, K]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(), "int8_rows_gemm: "
+                "scale must be contiguous float32 [N]");
+    const int64_t m = x_in.size(0), k = x_in.size(1), n = codes.size(0);
+    TORCH_CHECK(codes.size(1) == k && scale.size(0) == n && k % 32 == 0, "int8_rows_gemm: x ", x_in.sizes(),
+                ", codes ", codes.sizes(), ", scale ", scale.sizes(), ": K must match and be a multiple of 32");
+    const at::Tensor x = x_in.contiguous();
+    at::Tensor out = at::empty({m, n}, x.options());
+    if (m == 0) return out;
+    TORCH_CHECK(int8_rows_gemm(u16(x), m, codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                               reinterpret_cast<uint16_t *>(out.data_ptr()), n, k),
+                "int8_rows_gemm: no memory for the int8 copy of a ", m, " x ", k, " activation");
+    return out;
+}
+
+bool int8_rows_vectorized() { return int8_rows_gemm_vectorized(); }
+
 at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &sz, int64_t group) {
     const Policy *p = &configured();
     check_buffers(x, weight, sz, group);
@@ -245,6 +268,8 @@ TORCH_LIBRARY_FRAGMENT(spark_edge, m) {
     m.def("int4_dequant_t(Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_embedding(Tensor ids, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor weight, Tensor scales_zeros, int group_size) -> Tensor");
+    m.def("int8_rows_gemm(Tensor x, Tensor codes, Tensor scale) -> Tensor");
+    m.def("int8_rows_vectorized() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
@@ -255,6 +280,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CPU, m) {
     m.impl("int4_dequant_t", &int4_dequant_t_op);
     m.impl("int4_embedding", &int4_embedding_op);
     m.impl("int4_linear", &int4_linear);
+    m.impl("int8_rows_gemm", &int8_rows_gemm_op);
 }
 
 TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
@@ -266,6 +292,7 @@ TORCH_LIBRARY_IMPL(spark_edge, CompositeExplicitAutograd, m) {
     m.impl("int4_kernel_for", &int4_kernel_for);
     m.impl("int4_q8_default_form", &int4_q8_default_form);
     m.impl("int4_q8_form_supported", &int4_q8_form_supported);
+    m.impl("int8_rows_vectorized", &int8_rows_vectorized);
 }
 
 }  // namespace spark_edge
