@@ -26,6 +26,8 @@ def test_w4a16_runs_through_cpu_int4(w4a16_server: Server) -> None:
     log = w4a16_server.log_path.read_text(errors="replace")
     assert "quantization=cpu_int4" in log
     assert "weight path: w4a16" in log
+    # the C++ kernels loaded and passed their self-check inside vLLM (else the slower torch paths serve)
+    assert "native int4 kernels unavailable" not in log, log[-4000:]
 
 
 def test_w4a16_batched_requests_take_the_multi_row_path(w4a16_server: Server) -> None:

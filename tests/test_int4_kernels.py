@@ -432,6 +432,18 @@ def test_int8_rows_gemm_integer_accumulation_is_exact(ops: object) -> None:
         assert torch.equal(ops.int8_rows_gemm(x, codes, torch.ones(n)), exact)
 
 
+def test_the_self_check_holds_under_the_default_dtype_vllm_loads_with(ops: object) -> None:
+    """vLLM builds the model, and so first loads the library, with torch's default dtype set to the model's
+    (bf16): a check tensor made without a dtype turned bf16 there and the whole library was refused."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(BF16)
+    try:
+        ni._self_check()
+    finally:
+        torch.set_default_dtype(previous)
+        _configure_host()
+
+
 def test_int8_rows_gemm_refuses_what_it_cannot_take(ops: object) -> None:
     x, codes, scale = torch.randn(2, 64).to(BF16), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16)
     assert ops.int8_rows_gemm(x[:0], codes, scale).shape == (0, 16)

@@ -336,7 +336,7 @@ def _self_check() -> None:
                     f"the compiled int8-activation int4 GEMM (form {form}) disagrees with the float64 reference"
                 )
     table = torch.randint(-127, 128, (n + 3, k), dtype=torch.int8, generator=gen)  # 8-channel passes and a tail
-    row_scale = torch.rand(n + 3, generator=gen) * 0.01 + 1e-4
+    row_scale = torch.rand(n + 3, generator=gen, dtype=torch.float32) * 0.01 + 1e-4  # vLLM may load with bf16 default
     magnitude = x.double().abs() @ (table.double().abs() * row_scale.double().unsqueeze(1)).t()
     got = ops.int8_rows_gemm(x, table, row_scale)
     if not gemm_q8_within_tolerance(got, int8_rows_reference(x, table, row_scale), magnitude):
