@@ -792,3 +792,25 @@ def test_vllms_renderer_gets_the_lookup_when_imported() -> None:
 
     fixes.apply_runtime_fixes()
     assert fixes._is_ours(hf._try_get_processor_chat_template)
+
+
+@pytest.mark.parametrize(("bits", "listed", "emitted"), [(512, 256, "NEON"), (256, 256, "SVE"), (128, 128, "SVE")])
+def test_inductor_takes_neon_where_it_has_no_sve_code_for_the_cpus_length(
+    monkeypatch: pytest.MonkeyPatch, bits: int, listed: int, emitted: str
+) -> None:
+    """torch lists VecSVE(256) for a 512-bit SVE CPU (qemu's default arm64 CPU: garbage from compiled graphs):
+    NEON there; a CPU whose length torch has SVE code for keeps it; so does an x86 list, where nothing is SVE."""
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecSVE
+
+    monkeypatch.setattr(fixes, "sve_vector_bits", lambda: bits)
+    wrapped = fixes.neon_where_sve_length_is_unknown(lambda: [VecSVE(listed)])
+    assert [type(isa).__name__ for isa in wrapped()] == [f"Vec{emitted}"]
+    assert fixes.neon_where_sve_length_is_unknown(lambda: [VecAVX2()])() == [VecAVX2()]
+
+
+def test_the_inductor_sve_patch_wraps_once() -> None:
+    module = SimpleNamespace(valid_vec_isa_list=lambda: [])
+    fixes._patch_inductor_sve_length(module)
+    first = module.valid_vec_isa_list
+    fixes._patch_inductor_sve_length(module)
+    assert module.valid_vec_isa_list is first and fixes._is_ours(first)

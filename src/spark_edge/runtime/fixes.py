@@ -18,6 +18,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,6 +57,8 @@ def apply_runtime_fixes() -> None:
     when_imported("uvicorn.server", _patch_uvicorn_tick)
     when_imported("vllm.v1.engine.core_client", _patch_inproc_async_client)
     when_imported("vllm.renderers.hf", _patch_processor_chat_template)
+    if platform.machine() in ("aarch64", "arm64"):
+        when_imported("torch._inductor.cpu_vec_isa", _patch_inductor_sve_length)
 
 
 def _is_ours(fn: Any) -> bool:
@@ -604,3 +607,42 @@ def _patch_forced_isa() -> None:
         query = getattr(torch.cpu, name, None)
         if query is not None and not _is_ours(query):
             setattr(torch.cpu, name, _answering_no(query))
+
+
+# --- 12. Inductor's SVE code assumes 256-bit vectors on every SVE CPU whose vectors are not 128 bits ------------
+# torch 2.13's Inductor (cpu_vec_isa.valid_vec_isa_list) takes VecSVE(128) where the CPU's SVE vectors are 128 bits
+# and VecSVE(256), compiled with -msve-vector-bits=256, for any other length: on 512-bit SVE (A64FX; qemu-user's
+# default arm64 CPU, where the arm64 image runs emulated) the compiled graph computes garbage (a compiled cpu_int4
+# linear returned permuted values and zeros under qemu). There the list becomes NEON alone, which every arm64 CPU
+# has and Inductor uses where SVE is absent. Turns itself off on CPUs with 128- or 256-bit SVE or none, and once
+# torch lists an SVE entry of the CPU's own length.
+
+
+def sve_vector_bits() -> int:
+    """The CPU's SVE vector length in bits as torch reads it (0: no SVE, or not arm64)."""
+    import torch.cpu
+
+    return int(torch.cpu.get_capabilities().get("sve_max_length") or 0)
+
+
+def neon_where_sve_length_is_unknown(valid: Callable[[], list[Any]]) -> Callable[[], list[Any]]:
+    @functools.wraps(valid)
+    def wrapper() -> list[Any]:
+        isas = valid()
+        sve = [isa for isa in isas if type(isa).__name__ == "VecSVE"]
+        bits = sve_vector_bits() if sve else 0
+        if not sve or any(isa.bit_width() == bits for isa in sve):
+            return isas
+        from torch._inductor.cpu_vec_isa import VecNEON
+
+        _LOG.info("spark-edge: Inductor emits NEON code: it has no SVE code for %d-bit vectors", bits)
+        return [VecNEON()]
+
+    return _mark(wrapper, "inductor_sve_length")
+
+
+def _patch_inductor_sve_length(cpu_vec_isa: ModuleType) -> None:
+    valid = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if valid is None or _is_ours(valid):
+        return
+    cpu_vec_isa.valid_vec_isa_list = neon_where_sve_length_is_unknown(valid)
