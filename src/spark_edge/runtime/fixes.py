@@ -70,6 +70,13 @@ def _mark(wrapper: Callable[..., Any], fix: str) -> Callable[..., Any]:
     return wrapper
 
 
+def _wrap_attribute(owner: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
+    """owner.name = wrap(owner.name), unless it is absent or already one of our wrappers."""
+    original = getattr(owner, name, None)
+    if original is not None and not _is_ours(original):
+        setattr(owner, name, wrap(original))
+
+
 # --- 1. The AOT compile cache never loads on CPU; a damaged kernel blocks recompiling ----------
 #
 # vLLM behaviour: `vllm.compilation.decorators._try_load_aot_compiled_fn` loads the artifact with
@@ -569,10 +576,7 @@ def skip_absent_processor(lookup: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_processor_chat_template(hf: ModuleType) -> None:
-    lookup = getattr(hf, "_try_get_processor_chat_template", None)
-    if lookup is None or _is_ours(lookup):
-        return
-    hf._try_get_processor_chat_template = skip_absent_processor(lookup)
+    _wrap_attribute(hf, "_try_get_processor_chat_template", skip_absent_processor)
 
 
 # --- 11. A forced ISA does not reach vLLM's own kernel choice ------------------------------------------
@@ -604,9 +608,7 @@ def _patch_forced_isa() -> None:
     import torch.cpu
 
     for name in WIDER_THAN_AVX2:
-        query = getattr(torch.cpu, name, None)
-        if query is not None and not _is_ours(query):
-            setattr(torch.cpu, name, _answering_no(query))
+        _wrap_attribute(torch.cpu, name, _answering_no)
 
 
 # --- 12. Inductor's SVE code assumes 256-bit vectors on every SVE CPU whose vectors are not 128 bits ------------
@@ -642,7 +644,4 @@ def neon_where_sve_length_is_unknown(valid: Callable[[], list[Any]]) -> Callable
 
 
 def _patch_inductor_sve_length(cpu_vec_isa: ModuleType) -> None:
-    valid = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-    if valid is None or _is_ours(valid):
-        return
-    cpu_vec_isa.valid_vec_isa_list = neon_where_sve_length_is_unknown(valid)
+    _wrap_attribute(cpu_vec_isa, "valid_vec_isa_list", neon_where_sve_length_is_unknown)
