@@ -1,5 +1,6 @@
 """The tile GEMMs inside the real model: the default model on w4a16 in vLLM's offline engine, run in this process
-(no engine subprocess), so the int4 kernel policy can be switched between calls on one loaded, compiled engine.
+(no engine subprocess), so the int4 kernel policy can be switched between calls on one loaded, compiled engine
+(and so can runtime fix 13's attention methods: the last test).
 
 Prefill rows go to this host's tile GEMM (AMX tiles, or vdpbf16ps tiles on AVX512-BF16 hosts without AMX); the
 previous prefill path dequantized each whole weight to bf16 for oneDNN. Both multiply the same bf16 weights and
@@ -25,6 +26,7 @@ from spark_edge.bench.fidelity import text_chunks
 from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.formats.tinygemm_layout import detect_layout
 from spark_edge.kernels import cpu_int4_op
+from spark_edge.runtime import fixes
 from spark_edge.weight_paths.builder import build_checkpoint
 
 from engine_lock import engine_lock
@@ -54,8 +56,8 @@ def _configure(policy: cpu_int4_op.KernelPolicy) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    if not cpu_int4_op.native_linear_available() or not cpu_int4_op.host_policy().tiles:
-        pytest.skip("no tile GEMM on this host (it prefills on dequantization + oneDNN already): nothing to compare")
+    if not cpu_int4_op.native_linear_available():
+        pytest.skip("the int4 library is not loaded in this process")
     root = tmp_path_factory.mktemp("int4-model")
     checkpoint = build_checkpoint(None, "w4a16", root / "w4a16", {"group_size": 32}).out
     with pytest.MonkeyPatch.context() as mp, engine_lock():
@@ -88,6 +90,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 @pytest.fixture(scope="module")
 def policies() -> dict[str, cpu_int4_op.KernelPolicy]:
     """This host's policy and the previous prefill path's (the tile GEMMs disabled: dequantization + oneDNN)."""
+    if not cpu_int4_op.host_policy().tiles:
+        pytest.skip("no tile GEMM on this host (it prefills on dequantization + oneDNN already): nothing to compare")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(DISABLED_KERNELS.name, "int4_gemm_bf16,int4_gemm_amx")
         previous = cpu_int4_op.host_policy()
@@ -158,3 +162,21 @@ def test_the_tile_gemm_is_what_prefill_rows_take(engine: object) -> None:
     rows = [len(tokenizer.encode(prompt)) for prompt in PROMPTS]
     for m in (*rows, sum(rows)):
         assert cpu_int4_op.kernel_for(m, 960, 576) in ("amx", "tiles"), (m, cpu_int4_op.host_policy())
+
+
+def test_outputs_equal_with_vllms_own_attention_methods(engine: object) -> None:
+    """Runtime fix 13 calls the kernels vLLM's CPU attention methods call, with the same arguments: greedy tokens
+    and their log-probs over prefill and decode steps are the same with vLLM's methods back in place."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as Impl
+
+    lean = {name: getattr(Impl, name) for name in ("forward", "do_kv_cache_update")}
+    assert all(fixes._is_ours(method) for method in lean.values()), "fix 13 is not installed in this engine"
+    with_fix = _greedy(engine)
+    try:
+        for name, method in lean.items():
+            setattr(Impl, name, method.__wrapped__)
+        without = _greedy(engine)
+    finally:
+        for name, method in lean.items():
+            setattr(Impl, name, method)
+    assert with_fix == without

@@ -82,12 +82,13 @@ RELEASE_MEMORY = Variable(
 DISABLED_KERNELS = Variable(
     "SPARK_EDGE_DISABLED_KERNELS",
     BENCHMARK,
-    "Comma-separated int4 kernels to leave out, for side-by-side benchmarks: "
+    "Comma-separated kernels and step patches to leave out, for side-by-side benchmarks: "
     "`spark_edge_int4` (the whole C++ library: torch's ops serve), `int4_gemm` (every native GEMM: tinygemm "
     "rows, dequantization + oneDNN), `int4_gemm_q8` (decode on fp32 activations), `int4_gemm_bf16` and "
     "`int4_gemm_amx` (prefill on dequantization + oneDNN), `kleidiai` (arm64: the linears on tinygemm rows and "
     "dequantization instead of KleidiAI), `int8_rows_gemm` (the 8-bit head on PyTorch's `_weight_int8pack_mm` where "
-    "no integer dot product serves it).",
+    "no integer dot product serves it), `attention_step` (runtime fix 13: vLLM's CPU attention methods as vLLM "
+    "wrote them).",
     "",
 )
 FORCED_ISA = Variable(
@@ -137,6 +138,7 @@ KERNELS = (
     "int4_gemm_amx",
     "kleidiai",
     "int8_rows_gemm",
+    "attention_step",
 )
 
 # retired variable -> what replaced it
