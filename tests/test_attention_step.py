@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from spark_edge.environment import DISABLED_KERNELS
+from spark_edge.environment import DISABLED_KERNELS, kernel_enabled
 from spark_edge.runtime import fixes
 
 cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
@@ -229,7 +229,8 @@ def _fake_module() -> ModuleType:
     return module
 
 
-def test_the_patch_installs_where_it_was_written_for() -> None:
+def test_the_patch_installs_where_it_was_written_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLED_KERNELS.name, raising=False)
     module = _fake_module()
     fixes._patch_cpu_attention_step(module)
     assert fixes._is_ours(module.CPUAttentionBackendImpl.forward)
@@ -239,6 +240,7 @@ def test_the_patch_installs_where_it_was_written_for() -> None:
     assert module.CPUAttentionBackendImpl.forward is patched  # idempotent
 
 
+@pytest.mark.skipif(not kernel_enabled("attention_step"), reason="turned off in this environment")
 def test_vllms_class_is_patched_in_this_process() -> None:
     fixes.apply_runtime_fixes()
     assert fixes._is_ours(cpu_attn.CPUAttentionBackendImpl.forward)
