@@ -1,8 +1,9 @@
 """Runtime patches of vLLM (spark_edge.runtime): compile-cache stamp and events, the AOT
 `finalize_loading` shim, memory release, and the post-import hook that applies them.
 
-The engine test at the bottom starts vLLM twice on one cache folder, each start in its own
-subprocess running this file as a script (see `_engine_child`).
+End to end, a restart that loads the compiled graph instead of compiling it, with the heap released
+after loading and warm-up, is test_server_lifecycle's warm restart; a damaged cache counted and
+rebuilt, its damaged-cache restart.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from spark_edge.runtime.compile_cache import (
     record_event,
 )
 from spark_edge.runtime.memory import release_free_memory, releasers
-
-from engine_lock import flock_prefix
 
 
 @pytest.fixture
@@ -665,81 +664,6 @@ def test_uvicorn_ticks_once_a_second_refreshing_the_date_header_each_time() -> N
     assert any(name == b"date" for name, _ in server.server_state.default_headers)
     server.should_exit = True
     assert asyncio.run(server.on_tick(30)) is True
-
-
-# --- a real engine, twice on one cache folder ----------------------------------------------------
-
-
-def _engine_child(model: str) -> None:
-    """One engine start in this process (uni executor, no engine-core subprocess); prints JSON."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    fixes.apply_runtime_fixes()
-    from vllm import LLM, SamplingParams
-
-    start = time.monotonic()
-    llm = LLM(
-        model=model,
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_seqs=2,
-        kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="uni",
-    )
-    init_s = time.monotonic() - start
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))
-    print("ENGINE_RESULT " + json.dumps({"init_s": init_s, "text": out[0].outputs[0].text}), flush=True)
-
-
-def _start_engine(model: Path, cache_root: Path, run: Path, log: Path) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "VLLM_CACHE_ROOT": str(cache_root),
-        RUN_DIR.name: str(run),
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    cmd = [*flock_prefix(), sys.executable, __file__, "--engine-child", str(model)]
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1200).returncode
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-4000:]
-    line = next(line for line in text.splitlines() if line.startswith("ENGINE_RESULT "))
-    return {**json.loads(line.removeprefix("ENGINE_RESULT ")), "log": text}
-
-
-@pytest.mark.engine
-@pytest.mark.slow_engine
-def test_compile_cache_warm_start_and_corrupt_artifact_rebuild(bf16_checkpoint: Path, tmp_path: Path) -> None:
-    cache_root, run = tmp_path / "vllm-cache", tmp_path / "run"
-    stamp = cache_stamp(["avx2"], "bf16")
-    assert prepare_cache_root(cache_root, stamp).reason == "fresh"
-    cold = _start_engine(bf16_checkpoint, cache_root, run, tmp_path / "cold.log")
-    assert prepare_cache_root(cache_root, stamp).reusable
-    warm = _start_engine(bf16_checkpoint, cache_root, run, tmp_path / "warm.log")
-
-    assert "saved AOT compiled function" in cold["log"]
-    assert "Directly load AOT compilation" in warm["log"]
-    for sign_of_compiling in ("Compiling model again", "saved AOT compiled function", "finalize_loading"):
-        assert sign_of_compiling not in warm["log"]
-    assert warm["text"] == cold["text"] and warm["text"].strip()  # same host, same graph: the same greedy text
-    assert "released free heap memory after model load" in warm["log"]
-    assert "released free heap memory after compile and warm-up" in warm["log"]
-    assert [(e["event"], e.get("reason")) for e in read_events(run)] == [(MISS, "no_artifact"), (HIT, None)]
-    assert warm["init_s"] < 0.5 * cold["init_s"], (cold["init_s"], warm["init_s"])
-
-    # a compiled artifact cut to nothing: vLLM's EOFError case, counted as a miss and rebuilt
-    (artifact,) = cache_root.glob("torch_compile_cache/torch_aot_compile/*/rank_0_0/model")
-    artifact.write_bytes(b"")
-    rebuilt = _start_engine(bf16_checkpoint, cache_root, run, tmp_path / "rebuilt.log")
-    assert "Compile cache file corrupted." in rebuilt["log"]
-    assert "saved AOT compiled function" in rebuilt["log"]
-    assert artifact.stat().st_size > 0
-    assert rebuilt["text"] == cold["text"]
-    assert [(e["event"], e.get("reason")) for e in read_events(run)][2:] == [(MISS, "load_failed")]
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--engine-child"]:
-    _engine_child(sys.argv[2])
 
 
 # --- 10. a text model's tokenizer is not loaded a second time to find its chat template ---

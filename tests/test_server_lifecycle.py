@@ -397,9 +397,14 @@ def test_a_restart_resumes_warm(
     expected = cold_plan(shape, ceiling, calibrated_baseline=baseline).max_model_len
     assert m["spark_edge_max_model_len_tokens"] == expected
     log = second.log_path.read_text(errors="replace")
-    if expected == limited.context:  # the same plan, hence the same graph: loaded, not compiled
+    # runtime fix 3 returns the heap freed by loading and by warm-up, compiled or loaded
+    assert "released free heap memory after model load" in log
+    assert "released free heap memory after compile and warm-up" in log
+    if expected == limited.context:  # the same plan, hence the same graph: loaded (runtime fix 1), not compiled
         assert m["spark_edge_compile_cache_hits_total"] >= 1 and m["spark_edge_compile_cache_misses_total"] == 0
         assert "Directly load AOT compilation" in log
+        for sign_of_compiling in ("Compiling model again", "saved AOT compiled function", "finalize_loading"):
+            assert sign_of_compiling not in log
     else:  # a calibrated plan serves a shorter context, a graph of its own: compiled once
         assert "its runtime baseline is now calibrated" in first_life.log_path.read_text(errors="replace")
         assert m["spark_edge_compile_cache_misses_total"] >= 1
