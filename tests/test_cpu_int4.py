@@ -591,19 +591,19 @@ def _load_int8(layer: torch.nn.Module, q: int8_rows.Int8Rows) -> None:
         param.weight_loader(param, tensor)
 
 
-@pytest.mark.parametrize("kernel", ["amx", "onednn", "native", "int8pack"])
+@pytest.mark.parametrize("kernel", ["packed", "onednn", "native", "int8pack"])
 @pytest.mark.parametrize("head_first", [False, True])
 def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, head_first: bool) -> None:
-    """embedding_bits 8: the lookup decodes the rows exactly (from vLLM's packed layout on AMX); the head's GEMM
-    is vLLM's AMX or oneDNN int8 (per-token int8 activations, ~1% of the result's norm), spark-edge's own (int8 per
-    32-K block) or torch's int8pack (bf16 activations)."""
+    """embedding_bits 8: the lookup decodes the rows exactly (from vLLM's packed layout where its packed GEMM
+    serves); the head's GEMM is vLLM's packed or oneDNN int8 (per-token int8 activations, ~1% of the result's
+    norm), spark-edge's own (int8 per 32-K block) or torch's int8pack (bf16 activations)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     from spark_edge.vllm_methods import cpu_int8_table as t8
 
     vocab, hidden = 1000, 64  # vLLM pads the table to 1024 rows
-    if kernel == "amx" and not t8.amx_int8_available(1024, hidden):
-        pytest.skip("no usable AMX here, or a vLLM without its AMX int8 GEMM")
+    if kernel == "packed" and not t8.packed_int8_available(1024, hidden):
+        pytest.skip("vLLM's packed int8 GEMM does not run here (no AVX512-VNNI, or vLLM's _C_AVX2)")
     if kernel == "onednn" and not t8.onednn_int8_available():
         pytest.skip("this vLLM build has no oneDNN int8 matmul")
     if kernel == "onednn" and not host_has_int8_dot():
@@ -620,8 +620,8 @@ def test_tied_8bit_table_shares_codes_and_kernel(vllm_tp1: None, kernel: str, he
     for layer in (head, embed) if head_first else (embed, head):
         _process(layer)
     assert head._int8_table_kernel == embed._int8_table_kernel == kernel
-    # one copy of the table on AMX: its packed form replaced the codes
-    assert embed.weight_int8.numel() == 1024 * (hidden + 4 if kernel == "amx" else hidden)
+    # one copy of the table with the packed GEMM: its packed form replaced the codes
+    assert embed.weight_int8.numel() == 1024 * (hidden + 4 if kernel == "packed" else hidden)
     reference = int8_rows.dequantize(q.codes, q.scale)
     for name in ("weight_int8", "weight_scale"):  # as the mapped weights do: new storage, the old one gone
         old = getattr(embed, name).data
@@ -642,7 +642,7 @@ def test_the_head_takes_onednn_int8_only_with_integer_dot_products(monkeypatch: 
     from spark_edge.environment import DISABLED_KERNELS
     from spark_edge.vllm_methods import cpu_int8_table as t8
 
-    monkeypatch.setattr(t8, "amx_int8_available", lambda n, k: False)
+    monkeypatch.setattr(t8, "packed_int8_available", lambda n, k: False)
     monkeypatch.setattr(t8, "onednn_int8_available", lambda: True)
     native = t8.native_int8_available(576)
     for vnni, kernel in ((True, "onednn"), (False, "native" if native else "int8pack")):
@@ -651,6 +651,28 @@ def test_the_head_takes_onednn_int8_only_with_integer_dot_products(monkeypatch: 
     assert t8.choose_kernel(49152, 560) == "int8pack"  # K not a multiple of the 32-K activation block
     monkeypatch.setenv(DISABLED_KERNELS.name, "int8_rows_gemm")
     assert t8.choose_kernel(49152, 576) == "int8pack"
+
+
+def test_the_head_takes_vllms_packed_int8_gemm_with_avx512_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX512-VNNI (AMX or not) vLLM's packed int8 GEMM serves the head, its packed table shared with the
+    lookup; for a table it cannot take, or where it is disabled, oneDNN's int8 matmul (with its own copy)."""
+    import vllm._custom_ops  # noqa: F401 (loads vLLM's CPU ops)
+
+    from spark_edge.environment import DISABLED_KERNELS
+    from spark_edge.vllm_methods import cpu_int8_table as t8
+
+    if not hasattr(torch.ops._C, "int8_scaled_mm_with_quant"):
+        pytest.skip("vLLM's CPU ops here (_C_AVX2) have no packed int8 GEMM")
+    monkeypatch.setattr(t8, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(t8, "host_has_int8_dot", lambda: True)
+    monkeypatch.setattr(t8, "host_runs_packed_int8_gemm", lambda: True)
+    assert t8.choose_kernel(49152, 576) == "packed"
+    assert t8.choose_kernel(49152 + 16, 576) == "onednn"  # not whole 32-row blocks: the lookup could not read it
+    monkeypatch.setenv(DISABLED_KERNELS.name, "int8_packed_gemm")
+    assert t8.choose_kernel(49152, 576) == "onednn"
+    monkeypatch.delenv(DISABLED_KERNELS.name)
+    monkeypatch.setattr(t8, "host_runs_packed_int8_gemm", lambda: False)  # Skylake-SP: AVX-512 without VNNI
+    assert t8.choose_kernel(49152, 576) == "onednn"
 
 
 def test_untied_8bit_head(vllm_tp1: None) -> None:

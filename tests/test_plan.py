@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from spark_edge import exit_codes
 from spark_edge.cli import main
+from spark_edge.environment import DISABLED_KERNELS
 from spark_edge.errors import SettingRefused, UnsupportedHostError
 from spark_edge.planning.memory_plan import (
     MIN_CONTEXT,
@@ -79,13 +80,18 @@ def test_resident_bf16_weights_follow_the_vocabulary_table_not_the_checkpoint(mo
     for shape, measured in ((SMOLLM2, 359 * MiB), (SMOLLM2_1_7B, 3649 * MiB)):
         planned = resident_weight_bytes(shape, "bf16", 32)
         assert measured <= planned < 1.15 * measured, (shape, planned / MiB)
-    # w4a16's 8-bit table: on VNNI hosts without AMX, oneDNN's int8 head packs its own copy of the codes beside
-    # the mapped rows; AMX shares one packed table, and without integer dot products torch's kernel reads the rows
+    # w4a16's 8-bit table: where integer dot products exist but vLLM's packed int8 GEMM does not run (AVX-VNNI
+    # only, or that GEMM disabled), oneDNN's int8 head packs its own copy of the codes beside the mapped rows;
+    # the packed GEMM (AVX512-VNNI) shares one packed table, and without dot products the rows are read as they are
     table_copy = SMOLLM2_1_7B.vocab * SMOLLM2_1_7B.hidden
-    for amx, vnni, extra in ((True, True, 0), (False, True, table_copy), (False, False, 0)):
-        monkeypatch.setattr(memory_plan, "host_has_amx_int8", lambda amx=amx: amx)
+    for packed, vnni, extra in ((True, True, 0), (False, True, table_copy), (False, False, 0)):
+        monkeypatch.setattr(memory_plan, "host_runs_packed_int8_gemm", lambda packed=packed: packed)
         monkeypatch.setattr(memory_plan, "host_has_int8_dot", lambda vnni=vnni: vnni)
         assert resident_weight_bytes(SMOLLM2_1_7B, "w4a16", 32) == weight_bytes(SMOLLM2_1_7B, "w4a16", 32) + extra
+    monkeypatch.setattr(memory_plan, "host_runs_packed_int8_gemm", lambda: True)
+    monkeypatch.setattr(memory_plan, "host_has_int8_dot", lambda: True)
+    monkeypatch.setenv(DISABLED_KERNELS.name, "int8_packed_gemm")  # the bench's onednn-head variant
+    assert resident_weight_bytes(SMOLLM2_1_7B, "w4a16", 32) == weight_bytes(SMOLLM2_1_7B, "w4a16", 32) + table_copy
     monkeypatch.setattr(memory_plan, "host_has_bf16_gemm", lambda: False)  # oneDNN converts bf16 itself
     assert resident_weight_bytes(SMOLLM2, "bf16", 32) > 2 * weight_bytes(SMOLLM2, "bf16", 32)
 

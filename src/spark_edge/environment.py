@@ -87,8 +87,9 @@ DISABLED_KERNELS = Variable(
     "rows, dequantization + oneDNN), `int4_gemm_q8` (decode on fp32 activations), `int4_gemm_bf16` and "
     "`int4_gemm_amx` (prefill on dequantization + oneDNN), `kleidiai` (arm64: the linears on tinygemm rows and "
     "dequantization instead of KleidiAI), `int8_rows_gemm` (the 8-bit head on PyTorch's `_weight_int8pack_mm` where "
-    "no integer dot product serves it), `attention_step` (runtime fix 13: vLLM's CPU attention methods as vLLM "
-    "wrote them).",
+    "no integer dot product serves it), `int8_packed_gemm` (the 8-bit head on oneDNN's int8 matmul, which keeps a "
+    "copy of the table, where vLLM's packed int8 GEMM serves it: AVX512-VNNI, AMX), `attention_step` (runtime fix "
+    "13: vLLM's CPU attention methods as vLLM wrote them).",
     "",
 )
 FORCED_ISA = Variable(
@@ -138,6 +139,7 @@ KERNELS = (
     "int4_gemm_amx",
     "kleidiai",
     "int8_rows_gemm",
+    "int8_packed_gemm",
     "attention_step",
 )
 

@@ -59,6 +59,8 @@ VARIANTS = {
     "cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1", "VLLM_USE_LAYERNAME": "0"},
     # the KV cache in fp8 (e4m3) instead of bf16: its fidelity and speed against the same path's bf16 KV
     "fp8kv": {KV_CACHE_DTYPE.name: "fp8"},
+    # w4a16's 8-bit head on oneDNN's int8 matmul (its own copy of the table) instead of vLLM's packed int8 GEMM
+    "onednn-head": {DISABLED_KERNELS.name: "int8_packed_gemm"},
     # vLLM's CPU attention methods as vLLM wrote them (runtime fix 13 off): what that step patch saves
     "vllm-attention": {DISABLED_KERNELS.name: "attention_step"},
     # n-gram speculation (planning/speculation.py): the grounded workload is where it should pay

@@ -23,12 +23,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from spark_edge import exit_codes
+from spark_edge.environment import kernel_enabled
 from spark_edge.errors import SparkEdgeError
 from spark_edge.planning import speculation
 from spark_edge.planning.kv_dtype import KV_DTYPE_BYTES
 from spark_edge.planning.model_shape import ModelShape
 from spark_edge.planning.weight_bytes import BF16, weight_bytes
-from spark_edge.probe.cpu_features import host_has_amx_int8, host_has_bf16_gemm, host_has_int8_dot
+from spark_edge.probe.cpu_features import host_has_bf16_gemm, host_has_int8_dot, host_runs_packed_int8_gemm
 from spark_edge.registry import weight_path as weight_path_spec
 
 MiB = 1 << 20
@@ -56,16 +57,18 @@ BF16_TABLE_COPIES = 2.6
 # spare; the cause (oneDNN per-shape weight conversions is the suspect) is not yet measured, nor how it scales,
 # so it stays a whole-checkpoint factor.
 BF16_FACTOR_WITHOUT_BF16_HARDWARE = 2.15
-# w4a16's 8-bit vocabulary table on VNNI hosts without AMX: oneDNN's int8 GEMM (the head) keeps its own packed
-# copy of the codes (anonymous) beside the mapped rows the embedding lookup reads. With AMX, vLLM's AMX int8 GEMM
-# and the lookup share one packed table; without integer dot products spark-edge's kernel (or PyTorch's) reads the
-# rows themselves (vllm_methods/cpu_int8_table.py).
+# w4a16's 8-bit vocabulary table where integer dot products exist but vLLM's packed int8 GEMM does not run (AVX-VNNI
+# without AVX-512, whose vLLM build has no such GEMM; or that GEMM disabled): oneDNN's int8 GEMM (the head) keeps
+# its own packed copy of the codes (anonymous) beside the mapped rows the embedding lookup reads. With AVX512-VNNI
+# (AMX included) vLLM's packed GEMM and the lookup share one packed table; without integer dot products
+# spark-edge's kernel (or PyTorch's) reads the rows themselves (vllm_methods/cpu_int8_table.py).
 INT8_HEAD_COPIES = 1
 
 
 def int8_head_copies() -> int:
     """Copies of the 8-bit table the head's GEMM keeps beside the rows, on this host."""
-    return INT8_HEAD_COPIES if host_has_int8_dot() and not host_has_amx_int8() else 0
+    packed = host_runs_packed_int8_gemm() and kernel_enabled("int8_packed_gemm")
+    return INT8_HEAD_COPIES if host_has_int8_dot() and not packed else 0
 
 
 def resident_weight_bytes(shape: ModelShape, weight_path: str, group: int) -> int:

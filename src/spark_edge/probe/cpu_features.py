@@ -66,6 +66,7 @@ BF16_GEMM_FEATURES = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # runs vpmaddubsw code that saturates int16 pairs and crawls (a 49152 x 576 int8 head on an AMD EPYC Zen 3,
 # AVX2 only: 22.7 ms a row at 35 dB SNR, against 2.5 ms at 52 dB for PyTorch's int8 x bf16 kernel)
 INT8_DOT_FEATURES = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+PACKED_INT8_FEATURES = frozenset({"avx512_vnni", "avx512bw", "avx512vl"})
 
 # Arm Ltd. (implementer 0x41) part numbers of cores spark-edge expects to meet; others print as hex.
 ARM_PARTS = {
@@ -201,9 +202,11 @@ def host_has_int8_dot() -> bool:
 
 
 @functools.cache
-def host_has_amx_int8() -> bool:
-    """Whether this CPU has AMX int8 tiles (vLLM's AMX int8 GEMM serves w4a16's 8-bit head there)."""
-    return "amx_int8" in probe_cpu_features(Path("/"), platform.machine()).names
+def host_runs_packed_int8_gemm() -> bool:
+    """Whether this CPU runs vLLM's packed int8 GEMM (`int8_scaled_mm_with_quant`, in its AVX-512 build of
+    `_C`): on AMX int8 tiles, or without them on AVX512-VNNI micro-kernels. Every AMX CPU has AVX512-VNNI;
+    Skylake-SP's AVX-512 has none."""
+    return PACKED_INT8_FEATURES <= probe_cpu_features(Path("/"), platform.machine()).names
 
 
 @functools.cache
