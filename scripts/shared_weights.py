@@ -33,8 +33,9 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from footprint import host  # noqa: E402 (this folder's footprint.py: how the generated docs name the host)
+
 from spark_edge.metrics.process_tree import process_tree  # noqa: E402
-from spark_edge.probe.cpu_features import first_processor_fields  # noqa: E402
 from spark_edge.runtime.mapped_weights import MAPPED_DIR, checkpoint_key  # noqa: E402
 from spark_edge.serving.server_process import ServerProcess, free_port  # noqa: E402
 
@@ -124,11 +125,6 @@ def planned_kv_bytes(home: Path, serve_args: list[str]) -> int:
     if run.returncode != 0:
         raise SystemExit(f"spark-edge plan exited {run.returncode}: {run.stderr[-2000:]}")
     return int(json.loads(run.stdout)["kv_bytes"])
-
-
-def host() -> str:
-    fields = first_processor_fields(Path("/proc/cpuinfo").read_text())
-    return f"{fields.get('model name', 'unknown CPU')}, {os.cpu_count()} CPUs"
 
 
 def mib(n: int) -> str:
