@@ -43,10 +43,24 @@
 #define Q8_DEFAULT Q8_PAIRS
 #endif
 #define QROWS 4 /* activation rows per pass over a block's weights (registers: 4 int16 accumulators a row) */
-/* K quads (128 bytes of a block's weights each) prefetched ahead of use: decode streams the weights from DRAM, and
- * asking 2 KiB ahead kept the memory busier than the hardware prefetcher alone (Xeon AMX host, 2 threads, 1 GiB of
- * 1.7B-shaped weights a token: 1 row 65.6 -> 54.0 ms, 4 rows 82.5 -> 64.0; 4, 8 and 32 quads within 4% of 16) */
-#define PREFETCH_QUADS 16
+/* Decode streams the weights from DRAM, and software prefetching keeps the memory busier than the hardware
+ * prefetchers alone, but where to and how far ahead is the CPU's: in K quads (128 bytes of a block's weights each).
+ * Intel (Xeon AMX host, 2 threads, 1 GiB of 1.7B-shaped weights a token): into L1 16 quads (2 KiB) ahead, 1 row
+ * 65.6 -> 54.0 ms, 4 rows 82.5 -> 64.0 against none; 4, 8 and 32 quads within 4% of 16.
+ * AMD (EPYC Zen 4, the same weights mapped from a file as serve maps them, alternated runs): into L1 2 KiB ahead
+ * was slower than no prefetch at all (21-23 GB/s against 25-29 at 1 row); into L2 64 quads (8 KiB) ahead 28-35 GB/s
+ * at 1 row and 18-20 against 16-19 at 4 rows (32, 48 and 96 quads no better, L2 and L1 together worse). */
+#define PREFETCH_L1_QUADS 16
+#define PREFETCH_L2_QUADS 64
+#ifdef __AVX512BW__
+static bool prefetch_into_l2() {
+    static const bool amd = [] {
+        __builtin_cpu_init();  // asked at library load, before libgcc may have read the CPU's identity
+        return __builtin_cpu_is("amd") != 0;
+    }();
+    return amd;
+}
+#endif
 
 namespace spark_edge {
 
@@ -193,13 +207,19 @@ static void block_rows(const typename Form::Act *act, const float *d, const floa
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const int64_t groups = k / group, quads = k / 4, qblocks = k / Q8_BLOCK, per_group = group / Q8_BLOCK;
     alignas(64) float facc[ROWS_ * 64];
+    const bool into_l2 = prefetch_into_l2();
     for (int64_t b = 0; b < qblocks; b++) {
         __m512i acc[ROWS_][4];
         for (int r = 0; r < ROWS_; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_si512();
         for (int64_t j = b * (Q8_BLOCK / 4); j < (b + 1) * (Q8_BLOCK / 4); j++) {
-            _mm_prefetch((const char *)(wb + (j + PREFETCH_QUADS) * 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wb + (j + PREFETCH_QUADS) * 128 + 64), _MM_HINT_T0);
+            if (into_l2) {
+                _mm_prefetch((const char *)(wb + (j + PREFETCH_L2_QUADS) * 128), _MM_HINT_T1);
+                _mm_prefetch((const char *)(wb + (j + PREFETCH_L2_QUADS) * 128 + 64), _MM_HINT_T1);
+            } else {
+                _mm_prefetch((const char *)(wb + (j + PREFETCH_L1_QUADS) * 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + (j + PREFETCH_L1_QUADS) * 128 + 64), _MM_HINT_T0);
+            }
             __m512i w[4];
             Form::weights(_mm512_loadu_si512(wb + j * 128), _mm512_loadu_si512(wb + j * 128 + 64), low4, w);
             for (int r = 0; r < ROWS_; r++) {
