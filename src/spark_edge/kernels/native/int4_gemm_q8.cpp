@@ -55,7 +55,7 @@
 #ifdef __AVX512BW__
 static bool prefetch_into_l2() {
     static const bool amd = [] {
-        __builtin_cpu_init();  // asked at library load, before libgcc may have read the CPU's identity
+        __builtin_cpu_init();  // libgcc reads the CPU's identity in a constructor that need not have run yet
         return __builtin_cpu_is("amd") != 0;
     }();
     return amd;
