@@ -3,9 +3,12 @@
 once a pass, more bytes than any cache holds, mapped from a file as `spark-edge serve` maps them (#35) or in
 anonymous memory as vLLM's offline engine holds them. Prints GB/s a pass; nothing is written.
 
-    .venv/bin/python scripts/weight_stream.py [--like smollm2-1.7b|default] [--rows 1,4] [--passes 3]
+    .venv/bin/python scripts/weight_stream.py [--like smollm2-1.7b | --config CHECKPOINT/config.json]
+                                              [--rows 1,4] [--passes 3]
 
-Random codes in the kernels' layout, group 32, 2 threads (a serving host's). For choosing a kernel's memory
+The geometry is a `spark-edge synth` preset's or a checkpoint's config.json (the default model: its built
+folder's); the decoder layers' four int4 matrices of bench --kernels' shapes, with random codes in the kernels'
+layout, group 32, 2 threads (a serving host's). For choosing a kernel's memory
 behaviour (prefetch distance and target) on a host kind, alternate builds in one sitting: the bandwidth a VM
 gives drifts by +-20% within minutes.
 """
@@ -13,6 +16,7 @@ gives drifts by +-20% within minutes.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -23,28 +27,23 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from spark_edge.checkpoints.synth import PRESETS, hf_config  # noqa: E402
+
 GROUP = 32
-# (N, K) of one decoder layer's int4 matrices (qkv, o, gate_up, down) and the layer count
-SHAPES = {
-    "smollm2-1.7b": ([(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 24),
-    "default": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30),
-}
 
 
-def _random_layers(like: str) -> dict[str, torch.Tensor]:
-    from spark_edge.formats import tinygemm_layout as tl
+def _config(like: str, config_path: Path | None) -> dict:
+    if config_path is not None:
+        return json.loads(config_path.read_text())
+    return hf_config(like, PRESETS[like], seed=0, bos=0, eos=0)
 
-    shapes, layers = SHAPES[like]
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for layer in range(layers):
-        for i, (n, k) in enumerate(shapes):
-            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-            scales = (torch.rand(n, k // GROUP, generator=gen) * 0.01).to(torch.bfloat16)
-            zeros = (torch.randn(n, k // GROUP, generator=gen) * 0.01).to(torch.bfloat16)
-            tensors[f"{layer}.{i}.w"] = tl.pack_for_kernel(codes)
-            tensors[f"{layer}.{i}.sz"] = tl.scales_and_zeros(scales, zeros)
-    return tensors
+
+def _int4_matrices(config: dict) -> list[tuple[str, int, int]]:
+    """(tensor name, N, K) of every decoder layer's int4 matrices: the head and embedding are not int4_linear's."""
+    from spark_edge.bench.kernels import model_shapes
+
+    shapes = [(n, k) for name, n, k in model_shapes(config) if name != "lm_head"]
+    return [(f"{layer}.{i}", n, k) for layer in range(config["num_hidden_layers"]) for i, (n, k) in enumerate(shapes)]
 
 
 def _best_pass(matrices: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int, passes: int) -> float:
@@ -66,7 +65,9 @@ def _best_pass(matrices: list[tuple[int, torch.Tensor, torch.Tensor]], rows: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--like", choices=sorted(SHAPES), default="smollm2-1.7b")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--like", choices=sorted(PRESETS), default="smollm2-1.7b", help="a synth preset's geometry")
+    source.add_argument("--config", type=Path, help="a checkpoint's config.json")
     parser.add_argument("--rows", default="1,4", help="activation rows per call, comma-separated")
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
@@ -82,17 +83,23 @@ def main() -> int:
         print("weight_stream: the native int4 ops are not available on this host", file=sys.stderr)
         return 1
     torch.set_num_threads(2)
-    tensors = _random_layers(args.like)
-    shapes, layers = SHAPES[args.like]
-    names = [(f"{layer}.{i}", k) for layer in range(layers) for i, (_, k) in enumerate(shapes)]
-    anonymous = [(k, tensors[f"{n}.w"], tensors[f"{n}.sz"]) for n, k in names]
+    from spark_edge.bench.kernels import random_kernel_weight
+
+    layers = _int4_matrices(_config(args.like, args.config))
+    gen = torch.Generator().manual_seed(0)
+    tensors, anonymous = {}, []
+    for name, n, k in layers:
+        w, sz = random_kernel_weight(n, k, GROUP, gen)
+        tensors[f"{name}.w"], tensors[f"{name}.sz"] = w, sz
+        anonymous.append((k, w, sz))
     nbytes = sum(w.nbytes + sz.nbytes for _, w, sz in anonymous)
     with tempfile.TemporaryDirectory(dir=Path.home()) as folder:  # the home's file system, as a data folder's
         path = Path(folder) / "weights.safetensors"
         save_file(tensors, str(path))
         with safe_open(str(path), framework="pt") as f:
-            mapped = [(k, f.get_tensor(f"{n}.w"), f.get_tensor(f"{n}.sz")) for n, k in names]
-        print(f"{args.like}: {len(names)} matrices, {nbytes / 2**20:.0f} MiB a pass, group {GROUP}, 2 threads")
+            mapped = [(k, f.get_tensor(f"{name}.w"), f.get_tensor(f"{name}.sz")) for name, _, k in layers]
+        what = args.config or args.like
+        print(f"{what}: {len(layers)} matrices, {nbytes / 2**20:.0f} MiB a pass, group {GROUP}, 2 threads")
         for rows in (int(r) for r in args.rows.split(",")):
             for label, matrices in (("mapped", mapped), ("anonymous", anonymous)):
                 seconds = _best_pass(matrices, rows, args.passes)

@@ -124,6 +124,18 @@ def _time(fn: Callable[[], object], budget_s: float) -> float:
             return elapsed / calls
 
 
+def random_kernel_weight(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An N x K int4 weight of random codes, scales and zeros, in the kernels' buffer and scales_and_zeros form."""
+    from spark_edge.formats import tinygemm_layout as tl
+
+    buf = tl.pack_for_kernel(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
+    sz = tl.scales_and_zeros(
+        (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+        (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
+    )
+    return buf, sz
+
+
 def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...] = ROWS) -> list[dict]:
     from spark_edge.formats import tinygemm_layout as tl
     from spark_edge.kernels import cpu_int4_op
@@ -140,11 +152,7 @@ def measure(shapes: list[tuple[str, int, int]], group: int, rows: tuple[int, ...
     results = []
     for name, n, k in shapes:
         gen = torch.Generator().manual_seed(0)
-        buf = tl.pack_for_kernel(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen))
-        sz = tl.scales_and_zeros(
-            (torch.rand(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
-            (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16),
-        )
+        buf, sz = random_kernel_weight(n, k, group, gen)
         weight_t = ops.int4_dequant_t(buf, sz, group)
         vllm_weights = (
             torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
